@@ -1,0 +1,153 @@
+"""The canonical chunk: a fixed header followed by the payload.
+
+Payload: ``[L, 2, T, H, D]`` (attention) or ``[L, 1, T, 1, D]`` (MLA, the same
+bytes as ``[L, T, D_latent]``), model dtype, contiguous.  It does not depend on
+the vLLM version, backend or physical layout.
+
+Header (little-endian, :data:`HEADER_SIZE` bytes)::
+
+    magic b"KVPC" | format version u16 | header size u16 | group kind u8 |
+    dtype code u8 | KV u8 | pad u8 | L u32 | T u32 | H u32 | D u32 |
+    token start u64 | token end u64 | TP size u16 | TP rank u16 |
+    group index u16 | pad u16 | model fingerprint 16B | chunk key 16B |
+    payload bytes u64 | payload xxh3-64 u64 | header xxh3-64 u64
+
+A reader checks the header against what it expects (:class:`ChunkExpect`)
+and the payload checksum before a byte reaches the KV cache; every mismatch
+has a reason name that becomes a ``load_failures`` counter.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+MAGIC = b"KVPC"
+FORMAT_VERSION = 1
+_BODY = struct.Struct("<4sHHBBBBIIIIQQHHHH16s16sQQ")
+HEADER_SIZE = _BODY.size + 8  # + header checksum
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float16: 1, torch.bfloat16: 2, torch.float32: 3,
+    torch.float8_e4m3fn: 4, torch.float8_e5m2: 5, torch.uint8: 6,
+}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class ChunkError(Exception):
+    """A chunk that must not be served; ``reason`` names the counter."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ChunkExpect:
+    """What a reader requires of a chunk before it may be loaded."""
+
+    fingerprint: bytes
+    key: bytes
+    kind: int
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int, int]  # L, KV, T, H, D
+    token_start: int
+    token_end: int
+    tp_size: int
+    tp_rank: int
+    group_index: int
+
+    @property
+    def payload_nbytes(self) -> int:
+        L, KV, T, H, D = self.shape
+        return L * KV * T * H * D * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    fingerprint: bytes
+    key: bytes
+    kind: int
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int, int]  # L, KV, T, H, D
+    token_start: int
+    token_end: int
+    tp_size: int
+    tp_rank: int
+    group_index: int
+    payload_nbytes: int
+    checksum: int
+
+    @classmethod
+    def for_payload(cls, expect: ChunkExpect, payload: memoryview | bytes, checksum: int | None = None) -> ChunkHeader:
+        nbytes = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+        return cls(expect.fingerprint, expect.key, expect.kind, expect.dtype, expect.shape,
+                   expect.token_start, expect.token_end, expect.tp_size, expect.tp_rank,
+                   expect.group_index, nbytes,
+                   payload_checksum(payload) if checksum is None else checksum)
+
+    def pack(self) -> bytes:
+        L, KV, T, H, D = self.shape
+        body = _BODY.pack(
+            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.kind, DTYPE_CODES[self.dtype], KV, 0,
+            L, T, H, D, self.token_start, self.token_end, self.tp_size, self.tp_rank,
+            self.group_index, 0, self.fingerprint, self.key, self.payload_nbytes, self.checksum)
+        return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> ChunkHeader:
+        """Parse a header; raises :class:`ChunkError` (bad_magic, version, header_checksum, short_read)."""
+        data = bytes(data[:HEADER_SIZE])
+        if len(data) < HEADER_SIZE:
+            raise ChunkError("short_read", f"header has {len(data)} of {HEADER_SIZE} bytes")
+        body, (hsum,) = data[: _BODY.size], struct.unpack("<Q", data[_BODY.size:HEADER_SIZE])
+        f = _BODY.unpack(body)
+        if f[0] != MAGIC:
+            raise ChunkError("bad_magic", f"magic {f[0]!r}")
+        if f[1] != FORMAT_VERSION or f[2] != HEADER_SIZE:
+            raise ChunkError("version", f"format version {f[1]} header size {f[2]}")
+        if xxhash.xxh3_64_intdigest(body) != hsum:
+            raise ChunkError("header_checksum", "header bytes do not match their checksum")
+        (_, _, _, kind, dcode, kv, _, L, T, H, D, start, end, tps, tpr, gi, _, fp, key, n, csum) = f
+        if dcode not in CODE_DTYPES:
+            raise ChunkError("header_mismatch", f"unknown dtype code {dcode}")
+        return cls(fp, key, kind, CODE_DTYPES[dcode], (L, kv, T, H, D), start, end, tps, tpr, gi, n, csum)
+
+    def mismatch(self, expect: ChunkExpect) -> str | None:
+        """The first field that differs from ``expect`` (None when all agree)."""
+        checks = (
+            ("fingerprint", self.fingerprint, expect.fingerprint),
+            ("key", self.key, expect.key),
+            ("kind", self.kind, expect.kind),
+            ("dtype", self.dtype, expect.dtype),
+            ("shape", self.shape, expect.shape),
+            ("token range", (self.token_start, self.token_end), (expect.token_start, expect.token_end)),
+            ("tensor parallel", (self.tp_size, self.tp_rank), (expect.tp_size, expect.tp_rank)),
+            ("group", self.group_index, expect.group_index),
+            ("payload size", self.payload_nbytes, expect.payload_nbytes),
+        )
+        for name, got, want in checks:
+            if got != want:
+                return f"{name} is {got!r}, expected {want!r}"
+        return None
+
+
+def payload_checksum(payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def check_chunk(header_bytes, payload, expect: ChunkExpect, verify_checksum: bool = True) -> ChunkHeader:
+    """Validate a stored chunk against ``expect``; raises :class:`ChunkError` with a reason."""
+    header = ChunkHeader.unpack(header_bytes)
+    problem = header.mismatch(expect)
+    if problem:
+        raise ChunkError("header_mismatch", problem)
+    nbytes = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+    if nbytes != header.payload_nbytes:
+        raise ChunkError("short_read", f"payload has {nbytes} of {header.payload_nbytes} bytes")
+    if verify_checksum and payload_checksum(payload) != header.checksum:
+        raise ChunkError("checksum", "payload bytes do not match the header checksum")
+    return header

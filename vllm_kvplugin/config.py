@@ -1,0 +1,136 @@
+"""The connector's configuration: ``kv_connector_extra_config``, validated.
+
+Every key the plugin accepts is a field of :class:`KVPluginConfig`; an unknown
+key or a value of the wrong type is a start-up error that names the key and
+what is accepted.  The README's configuration table is rendered from
+:data:`FIELDS` (``vllm-kvplugin info --config-table``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad ``kv_connector_extra_config``; raised when the connector is constructed."""
+
+
+@dataclass(frozen=True)
+class FieldDoc:
+    key: str
+    type: tuple[type, ...]
+    default: Any
+    meaning: str
+
+
+#: every accepted key, its type(s), default and meaning (the README table)
+FIELDS: tuple[FieldDoc, ...] = (
+    FieldDoc("chunk_size", (int,), 256,
+             "Tokens per stored chunk. Must be a positive multiple of vLLM's block size. "
+             "Only whole chunks are stored and loaded."),
+    FieldDoc("cpu_bytes", (int,), 4 << 30,
+             "Byte budget of the in-process CPU tier, per worker (pinned memory on GPU "
+             "machines). 0 disables the tier. Least recently used chunks are evicted."),
+    FieldDoc("server", (str, type(None)), None,
+             "Address of a `vllm-kvplugin server` (`unix:///path` or `tcp://127.0.0.1:PORT`). "
+             "Unset: in-process tier only."),
+    FieldDoc("server_token", (str, type(None)), None,
+             "Shared secret for a server that listens on a non-loopback TCP address."),
+    FieldDoc("server_timeout_s", (int, float), 5.0,
+             "Upper bound on any single exchange with the server; on timeout the "
+             "tokens are recomputed."),
+    FieldDoc("verify_checksums", (bool,), True,
+             "Check the xxh3 payload checksum of every chunk before it reaches the KV cache."),
+    FieldDoc("certify", (bool,), True,
+             "Compare the gather/scatter kernels with the independent layout reference at start-up."),
+    FieldDoc("model_id", (str, type(None)), None,
+             "Identity of the model in chunk keys and headers (default: vLLM's model path or "
+             "name, revision and config). Set the same value on machines that load one "
+             "model from different paths."),
+    FieldDoc("load_failure_policy", (str,), "recompute",
+             "What vLLM does with tokens whose load failed: `recompute` (default) or `fail` "
+             "(vLLM's `kv_load_failure_policy`)."),
+)
+_BY_KEY = {f.key: f for f in FIELDS}
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+@dataclass(frozen=True)
+class KVPluginConfig:
+    """Validated connector configuration (see :data:`FIELDS` for the meaning of each key)."""
+
+    chunk_size: int = 256
+    cpu_bytes: int = 4 << 30
+    server: str | None = None
+    server_token: str | None = None
+    server_timeout_s: float = 5.0
+    verify_checksums: bool = True
+    certify: bool = True
+    model_id: str | None = None
+    load_failure_policy: str = "recompute"
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVPluginConfig:
+        """Parse ``kv_connector_extra_config``; raises :class:`ConfigError`."""
+        extra = dict(extra or {})
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            doc = _BY_KEY.get(key)
+            if doc is None:
+                raise ConfigError(
+                    f"vllm-kvplugin: unknown kv_connector_extra_config key {key!r}; "
+                    f"accepted keys: {', '.join(sorted(_BY_KEY))}")
+            ok = isinstance(value, doc.type) and not (isinstance(value, bool) and bool not in doc.type)
+            if float in doc.type and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                raise ConfigError(
+                    f"vllm-kvplugin: kv_connector_extra_config[{key!r}] must be "
+                    f"{_type_names(doc.type)}, got {type(value).__name__} {value!r}")
+            values[key] = value
+        cfg = cls(**values, extra=extra)
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        if self.chunk_size <= 0:
+            raise ConfigError(f"vllm-kvplugin: chunk_size must be > 0, got {self.chunk_size}")
+        if self.cpu_bytes < 0:
+            raise ConfigError(f"vllm-kvplugin: cpu_bytes must be >= 0, got {self.cpu_bytes}")
+        if self.server_timeout_s <= 0:
+            raise ConfigError(f"vllm-kvplugin: server_timeout_s must be > 0, got {self.server_timeout_s}")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(
+                "vllm-kvplugin: load_failure_policy must be 'recompute' or 'fail', "
+                f"got {self.load_failure_policy!r}")
+        if self.server is not None and not self.server.startswith(("unix://", "tcp://", "ipc://")):
+            raise ConfigError(
+                "vllm-kvplugin: server must be 'unix:///path' or 'tcp://HOST:PORT', "
+                f"got {self.server!r}")
+
+    def check_block_size(self, block_size: int) -> None:
+        if self.chunk_size % block_size:
+            raise ConfigError(
+                f"vllm-kvplugin: chunk_size {self.chunk_size} must be a multiple of vLLM's "
+                f"block size {block_size}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+
+
+def config_table_markdown() -> str:
+    """The README's configuration table."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in FIELDS:
+        default = "unset" if f.default is None else f"`{f.default!r}`"
+        if f.key == "cpu_bytes":
+            default = f"`{f.default}` (4 GiB)"
+        rows.append(f"| `{f.key}` | {_type_names(f.type)} | {default} | {f.meaning} |")
+    return "\n".join(rows)

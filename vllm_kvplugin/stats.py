@@ -1,0 +1,117 @@
+"""Counters: readable in-process (:func:`vllm_kvplugin.stats`) and exported to vLLM.
+
+Two counter sets, one per connector role, so that an engine running scheduler
+and worker in one process never reports a counter twice:
+
+* scheduler: ``lookup_requests``, ``lookup_tokens``, ``hit_tokens``,
+  ``planned_load_tokens``, ``planned_load_bytes``, ``evicted_bytes``,
+  ``store_skipped_chunks``;
+* worker: ``loaded_tokens``, ``loaded_bytes``, ``stored_tokens``,
+  ``stored_bytes``, ``load_seconds``, ``store_seconds`` and
+  ``load_failures`` (a dict: reason -> count).
+
+Each connector hands vLLM the *delta* of its own set every step
+(:meth:`Counters.take_delta`), which vLLM aggregates over ranks and feeds to
+the log line and to Prometheus (:mod:`vllm_kvplugin.connector.metrics`).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import defaultdict
+from typing import Any
+
+SCHEDULER_FIELDS = (
+    "lookup_requests", "lookup_tokens", "hit_tokens", "planned_load_tokens",
+    "planned_load_bytes", "evicted_bytes", "store_skipped_chunks",
+)
+WORKER_FIELDS = (
+    "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",
+    "load_seconds", "store_seconds",
+)
+FAILURES = "load_failures"
+
+
+class Counters:
+    """Thread-safe counters with a delta cursor."""
+
+    def __init__(self, fields: tuple[str, ...], with_failures: bool):
+        self._fields = fields
+        self._with_failures = with_failures
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = dict.fromkeys(fields, 0)
+        self._failures: dict[str, int] = defaultdict(int)
+        self._reported: dict[str, Any] = self._blank()
+
+    def _blank(self) -> dict[str, Any]:
+        d: dict[str, Any] = dict.fromkeys(self._fields, 0)
+        if self._with_failures:
+            d[FAILURES] = {}
+        return d
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._values[k] += v
+
+    def failure(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._failures[reason] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            d: dict[str, Any] = dict(self._values)
+            if self._with_failures:
+                d[FAILURES] = dict(self._failures)
+            return d
+
+    def take_delta(self) -> dict[str, Any]:
+        """Counts since the previous call (what vLLM's stats pipeline sums up)."""
+        with self._lock:
+            now: dict[str, Any] = dict(self._values)
+            delta: dict[str, Any] = {k: now[k] - self._reported[k] for k in self._fields}
+            if self._with_failures:
+                f = dict(self._failures)
+                prev = self._reported[FAILURES]
+                delta[FAILURES] = {k: v - prev.get(k, 0) for k, v in f.items() if v != prev.get(k, 0)}
+                now[FAILURES] = f
+            self._reported = now
+            return {k: v for k, v in delta.items() if v}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._values = dict.fromkeys(self._fields, 0)
+            self._failures = defaultdict(int)
+            self._reported = self._blank()
+
+
+SCHEDULER = Counters(SCHEDULER_FIELDS, with_failures=False)
+WORKER = Counters(WORKER_FIELDS, with_failures=True)
+
+
+class _Merged:
+    def snapshot(self) -> dict[str, Any]:
+        out = SCHEDULER.snapshot()
+        out.update(WORKER.snapshot())
+        return out
+
+    def reset(self) -> None:
+        SCHEDULER.reset()
+        WORKER.reset()
+
+
+STATS = _Merged()
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Sum two delta dicts (used when vLLM aggregates over ranks and steps)."""
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        if isinstance(v, dict):
+            sub = out.setdefault(k, {})
+            for r, n in v.items():
+                sub[r] = sub.get(r, 0) + n
+        else:
+            out[k] = out.get(k, 0) + v
+    return out
