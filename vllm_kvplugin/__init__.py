@@ -15,8 +15,8 @@ except ImportError:  # running from a checkout without an install
 
 
 def stats() -> dict:
-    """This process's counters (see :mod:`vllm_kvplugin.stats`)."""
-    from vllm_kvplugin.stats import STATS
+    """This process's counters (see :mod:`vllm_kvplugin.counters`)."""
+    from vllm_kvplugin.counters import STATS
 
     return STATS.snapshot()
 

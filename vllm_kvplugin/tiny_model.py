@@ -1,0 +1,127 @@
+"""Tiny local models for the demo and the tests: no downloads.
+
+The tokenizer is a byte-level BPE trained on the Python standard library's
+sources (always on disk); the model is a random-init Qwen3- or Llama-style
+causal LM with a fixed seed.  Built once per spec and cached under
+``$VLLM_KVPLUGIN_CACHE`` (default ``~/.cache/vllm-kvplugin``)``/models``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "qwen3"  # "qwen3" | "llama"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 4096
+    init_std: float = 0.25  # peaky logits: greedy decoding far from ties
+    seed: int = 1234
+    dtype: str = "bfloat16"
+
+    def digest(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+QWEN3 = TinySpec()
+LLAMA = TinySpec(arch="llama", layers=3, hidden=256, heads=8, kv_heads=4, head_dim=32)
+#: the demo's model: wide enough that prefill, not the Python overhead, dominates
+DEMO = TinySpec(arch="qwen3", layers=8, hidden=1024, heads=16, kv_heads=8, head_dim=128)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLLM_KVPLUGIN_CACHE", Path.home() / ".cache" / "vllm-kvplugin"))
+
+
+def _corpus(limit_files: int = 400):
+    for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:limit_files]:
+        with open(f, encoding="utf-8", errors="ignore") as fh:
+            for line in fh:
+                if line.strip():
+                    yield line.rstrip()
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|endoftext|>", pad_token="<pad>",
+                                   model_max_length=1 << 20)
+
+
+def build(spec: TinySpec = QWEN3, root: Path | None = None) -> Path:
+    """The model directory for ``spec``, built on first use."""
+    import torch
+
+    out = (root or cache_dir() / "models") / f"tiny-{spec.arch}-{spec.digest()}"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(spec.vocab)
+    common = dict(
+        vocab_size=len(tok), hidden_size=spec.hidden, intermediate_size=spec.hidden * 2,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, max_position_embeddings=1 << 17,
+        rope_theta=10000.0, tie_word_embeddings=True, initializer_range=spec.init_std,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, torch_dtype=spec.dtype,
+    )
+    if spec.arch == "qwen3":
+        from transformers import Qwen3Config as Config
+        from transformers import Qwen3ForCausalLM as Model
+    elif spec.arch == "llama":
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
+    else:
+        raise ValueError(f"unknown tiny model arch {spec.arch!r} (qwen3, llama)")
+    torch.manual_seed(spec.seed)
+    model = Model(Config(**common)).to(getattr(torch, spec.dtype)).eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=1))
+    try:
+        tmp.rename(out)
+    except OSError:  # built concurrently by another process
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="build a tiny local model (no downloads)")
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    ap.add_argument("--demo", action="store_true", help="the demo's wider model")
+    args = ap.parse_args()
+    spec = DEMO if args.demo else (QWEN3 if args.arch == "qwen3" else LLAMA)
+    print(build(spec))
+
+
+if __name__ == "__main__":
+    main()
