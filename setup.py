@@ -5,7 +5,8 @@ built only when torch is importable in the build environment, i.e. with
 `pip install --no-build-isolation`.  Otherwise (or with KVPLUGIN_BUILD_OPS=0)
 the package installs without them and the ops run on the pure-torch path;
 `vllm-kvplugin info` says which one is active.  KVPLUGIN_BUILD_CUDA=0/1 forces
-the CUDA kernel off/on (default: on when torch has CUDA and nvcc is found).
+the CUDA kernel off/on (default: on when torch has CUDA, nvcc is found and a GPU
+is visible).
 """
 
 import os
@@ -37,6 +38,10 @@ def _extensions():
     has_cuda = torch.version.cuda is not None and ce.CUDA_HOME is not None
     if want_cuda == "1" and not has_cuda:
         sys.exit("KVPLUGIN_BUILD_CUDA=1 but torch has no CUDA or nvcc/CUDA_HOME was not found")
+    if want_cuda == "auto" and has_cuda and not torch.cuda.is_available():
+        print("vllm-kvplugin: no GPU visible; building the CPU kernel only "
+              "(KVPLUGIN_BUILD_CUDA=1 builds the CUDA kernel anyway)")
+        has_cuda = False
     if want_cuda != "0" and has_cuda:
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
@@ -50,7 +55,7 @@ def _extensions():
         )
     else:
         ext = ce.CppExtension("vllm_kvplugin._C", sources, extra_compile_args={"cxx": cxx})
-    return [ext], {"build_ext": ce.BuildExtension.with_options(no_python_abi_suffix=False)}
+    return [ext], {"build_ext": ce.BuildExtension}
 
 
 ext_modules, cmdclass = _extensions()

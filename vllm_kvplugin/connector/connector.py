@@ -65,6 +65,12 @@ class KVPluginConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        # every step, before the forward is issued (both runners, every version)
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and self._worker.engine is not None:
+            self._worker.fence()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._bound()
         if meta is not None and meta.loads:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvplugin import counters, ops
+from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.format import ChunkError, ChunkExpect, ChunkHeader, check_chunk
 from vllm_kvplugin.chunk.keys import model_fingerprint
@@ -28,6 +28,7 @@ from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import ChunkJob, KVPluginMetadata, KVPluginWorkerMeta
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
+from vllm_kvplugin.transfer import TransferEngine, engine_for
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class WorkerSide:
         self.device = torch.device("cpu")
         self._invalid_blocks: set[int] = set()
         self._meta = KVPluginWorkerMeta()
+        self._pending_stores: list[tuple[list[Any], list[ChunkJob], float]] = []
+        self._bytes_per_token = 0
+        self.engine: TransferEngine | None = None
 
     # ------------------------------------------------------------- registration
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -86,6 +90,8 @@ class WorkerSide:
             self.layouts.append(layout)
             self.layers.append(layers)
         self.device = self.layers[0][0].device
+        self.engine = engine_for(self.device)
+        self._bytes_per_token = sum(lay.bytes_per_token for lay in self.layouts)
         slot_bytes = sum(lay.chunk_nbytes(self.chunk_size) for lay in self.layouts)
         num_slots = slots_for_budget(self.cfg.cpu_bytes, slot_bytes)
         pin = self.device.type == "cuda"
@@ -98,106 +104,116 @@ class WorkerSide:
                            layout.chunk_shape(self.chunk_size), start, start + self.chunk_size,
                            self.tp_size, self.tp_rank, layout.group_index)
 
-    def _slots(self, layout: KVLayout, job: ChunkJob) -> torch.Tensor:
-        s = token_slots(job.block_ids[layout.group_index], layout.block_size, self.chunk_size,
-                        job.skip, job.take)
-        return s.to(self.device)
-
-    def _move(self, to_chunk: bool, layout: KVLayout, slots: torch.Tensor, chunk: torch.Tensor) -> None:
-        """One gather/scatter between the paged cache and a pool chunk (staged via the device)."""
-        layers = self.layers[layout.group_index]
-        fn = ops.gather if to_chunk else ops.scatter
-        if chunk.device == self.device:
-            fn(layers, slots, layout.strides, layout.block_size, layout.kernel_block_size,
-               layout.num_blocks, chunk)
-            return
-        staging = chunk.to(self.device, non_blocking=False) if not to_chunk else torch.empty_like(chunk, device=self.device)
-        fn(layers, slots, layout.strides, layout.block_size, layout.kernel_block_size,
-           layout.num_blocks, staging)
-        if to_chunk:
-            chunk.copy_(staging)
-        else:
-            torch.cuda.current_stream().synchronize()
+    def _slots(self, layout: KVLayout, jobs: Sequence[ChunkJob]) -> torch.Tensor:
+        """``[C, T]`` paged slots of ``jobs`` in ``layout``'s group."""
+        return torch.cat([token_slots(j.block_ids[layout.group_index], layout.block_size,
+                                      self.chunk_size, j.skip, j.take) for j in jobs])
 
     # -------------------------------------------------------------------- loads
     def start_load(self, meta: KVPluginMetadata) -> None:
+        """Verify, then scatter every planned chunk; failures become invalid blocks."""
         for req in meta.loads:
             t0 = time.perf_counter()
+            good, reason = self._verify(req.req_id, req.jobs)
             moved = [0] * len(self.layouts)
-            failed_at = None
-            reason = ""
             try:
-                for n, job in enumerate(req.jobs):
-                    try:
-                        self._load_job(job, moved)
-                    except ChunkError as e:
-                        failed_at, reason = n, e.reason
-                        self._meta.load_failed[job.slot] = e.reason
-                        logger.warning("vllm-kvplugin: load of %s chunk %d failed (%s); recomputing",
-                                       req.req_id, job.chunk_index, e)
-                        break
-                if failed_at is None and tuple(moved) != tuple(req.expected_bytes):
-                    failed_at, reason = 0, "byte_mismatch"
+                if good:
+                    self._load_jobs(req.jobs[:good], moved)
+                if reason is None and tuple(moved) != tuple(req.expected_bytes):
+                    good, reason = 0, "byte_mismatch"
                     logger.warning("vllm-kvplugin: %s moved %s bytes, planned %s; recomputing",
                                    req.req_id, moved, list(req.expected_bytes))
             except Exception:  # never crash the engine: recompute instead
-                logger.exception("vllm-kvplugin: load of %s failed", req.req_id)
-                failed_at, reason = 0 if failed_at is None else failed_at, "error"
-            if failed_at is None:
-                counters.WORKER.add(loaded_tokens=sum(j.take - j.skip if j.take >= 0 else self.chunk_size - j.skip for j in req.jobs),
-                                 loaded_bytes=sum(moved), load_seconds=time.perf_counter() - t0)
+                logger.exception("vllm-kvplugin: load of %s failed; recomputing", req.req_id)
+                good, reason = 0, "error"
+            if reason is None:
+                counters.WORKER.add(loaded_tokens=sum(moved) // max(1, self._bytes_per_token),
+                                    loaded_bytes=sum(moved), load_seconds=time.perf_counter() - t0)
             else:
                 counters.WORKER.failure(reason)
-                for job in req.jobs[failed_at:]:
-                    first = job.skip // self.layouts[0].block_size
-                    self._invalid_blocks.update(job.block_ids[0][first:])
+                block_size = self.layouts[0].block_size
+                for job in req.jobs[good:]:
+                    self._invalid_blocks.update(job.block_ids[0][job.skip // block_size:])
+                    self._meta.load_failed.setdefault(job.slot, reason)
             self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
 
-    def _load_job(self, job: ChunkJob, moved: list[int]) -> None:
+    def _verify(self, req_id: str, jobs: Sequence[ChunkJob]) -> tuple[int, str | None]:
+        """How many leading jobs hold valid chunks, and why the next one does not."""
         assert self.pool is not None
-        if not 0 <= job.slot < self.pool.num_slots:
-            raise ChunkError("missing", f"slot {job.slot} outside the pool")
-        for layout in self.layouts:  # verify every group before writing anything
-            header = self.pool.header(layout.group_index, job.slot)
-            if header is None:
-                raise ChunkError("missing", f"slot {job.slot} holds no chunk")
-            check_chunk(header, self.pool.payload_bytes(layout.group_index, job.slot),
-                        self._expect(layout, job), self.cfg.verify_checksums)
+        for n, job in enumerate(jobs):
+            try:
+                if not 0 <= job.slot < self.pool.num_slots:
+                    raise ChunkError("missing", f"slot {job.slot} outside the pool")
+                for layout in self.layouts:
+                    header = self.pool.header(layout.group_index, job.slot)
+                    if header is None:
+                        raise ChunkError("missing", f"slot {job.slot} holds no chunk")
+                    check_chunk(header, self.pool.payload_bytes(layout.group_index, job.slot),
+                                self._expect(layout, job), self.cfg.verify_checksums)
+            except ChunkError as e:
+                logger.warning("vllm-kvplugin: %s chunk %d not served (%s); recomputing",
+                               req_id, job.chunk_index, e)
+                return n, e.reason
+        return len(jobs), None
+
+    def _load_jobs(self, jobs: Sequence[ChunkJob], moved: list[int]) -> None:
+        assert self.pool is not None
         for layout in self.layouts:
-            slots = self._slots(layout, job)
-            self._move(False, layout, slots, self.pool.payload(layout.group_index, job.slot))
-            moved[layout.group_index] += int((slots >= 0).sum()) * layout.bytes_per_token
+            g = layout.group_index
+            slots = self._slots(layout, jobs)
+            self.engine.load(layout, self.layers[g], slots, [self.pool.payload(g, j.slot) for j in jobs])
+            moved[g] += int((slots >= 0).sum()) * layout.bytes_per_token
 
     # ------------------------------------------------------------------- stores
     def store(self, meta: KVPluginMetadata) -> None:
+        """Issue the gathers of every chunk completed by this step's forward."""
         assert self.pool is not None
-        for req in meta.stores:
-            for job in req.jobs:
-                t0 = time.perf_counter()
-                try:
-                    nbytes = self._store_job(job)
-                except Exception:
-                    logger.exception("vllm-kvplugin: store of %s chunk %d failed", req.req_id, job.chunk_index)
-                    for layout in self.layouts:
-                        self.pool.set_header(layout.group_index, job.slot, None)
-                    self._meta.store_failed.add(job.slot)
-                    continue
-                counters.WORKER.add(stored_tokens=self.chunk_size, stored_bytes=nbytes,
-                                 store_seconds=time.perf_counter() - t0)
-                self._meta.stored[job.slot] = self._meta.stored.get(job.slot, 0) + 1
+        jobs = [job for req in meta.stores for job in req.jobs]
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        try:
+            tickets = []
+            for layout in self.layouts:
+                g = layout.group_index
+                for job in jobs:
+                    self.pool.set_header(g, job.slot, None)
+                tickets.append(self.engine.store(layout, self.layers[g], self._slots(layout, jobs),
+                                                 [self.pool.payload(g, j.slot) for j in jobs]))
+        except Exception:
+            logger.exception("vllm-kvplugin: store of %d chunks failed", len(jobs))
+            self._meta.store_failed.update(j.slot for j in jobs)
+            return
+        self._pending_stores.append((tickets, jobs, t0))
+        self._finish_stores()
 
-    def _store_job(self, job: ChunkJob) -> int:
+    def _finish_stores(self, wait: bool = False) -> None:
+        """Write headers (with checksums) for stores whose bytes reached the host."""
         assert self.pool is not None
-        nbytes = 0
-        for layout in self.layouts:
-            g = layout.group_index
-            self.pool.set_header(g, job.slot, None)
-            self._move(True, layout, self._slots(layout, job), self.pool.payload(g, job.slot))
-            payload = self.pool.payload_bytes(g, job.slot)
-            header = ChunkHeader.for_payload(self._expect(layout, job), payload)
-            self.pool.set_header(g, job.slot, header.pack())
-            nbytes += payload.nbytes
-        return nbytes
+        still = []
+        for tickets, jobs, t0 in self._pending_stores:
+            if wait:
+                for t in tickets:
+                    self.engine.wait(t)
+            if not all(self.engine.done(t) for t in tickets):
+                still.append((tickets, jobs, t0))
+                continue
+            nbytes = 0
+            for job in jobs:
+                for layout in self.layouts:
+                    g = layout.group_index
+                    payload = self.pool.payload_bytes(g, job.slot)
+                    header = ChunkHeader.for_payload(self._expect(layout, job), payload)
+                    self.pool.set_header(g, job.slot, header.pack())
+                    nbytes += payload.nbytes
+                self._meta.stored[job.slot] = self._meta.stored.get(job.slot, 0) + 1
+            counters.WORKER.add(stored_tokens=self.chunk_size * len(jobs), stored_bytes=nbytes,
+                                store_seconds=time.perf_counter() - t0)
+        self._pending_stores = still
+
+    def fence(self) -> None:
+        """Before a step's forward: the compute stream must not overwrite blocks stores still read."""
+        self.engine.fence()
 
     # ------------------------------------------------------------------ results
     def take_invalid_blocks(self) -> set[int]:
@@ -205,6 +221,7 @@ class WorkerSide:
         return out
 
     def take_meta(self) -> KVPluginWorkerMeta | None:
+        self._finish_stores()
         if self._meta.is_empty():
             return None
         out, self._meta = self._meta, KVPluginWorkerMeta()

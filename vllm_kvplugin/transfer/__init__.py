@@ -1,0 +1,57 @@
+"""Moving chunks between the paged KV cache and host chunk buffers.
+
+A :class:`TransferEngine` is chosen once per worker from the KV cache's device
+(:func:`engine_for`): :class:`~.cpu.CpuTransfer` when the cache lives in host
+memory (vLLM's CPU platform), :class:`~.cuda.CudaTransfer` on CUDA devices.
+
+Contract, for the worker (one thread, vLLM's worker thread):
+
+* :meth:`TransferEngine.store` is called after the forward that wrote the
+  blocks was *issued* (``wait_for_save``).  It must order its reads of the
+  paged cache after that forward (device-side), and return a ticket; the
+  host buffers hold the chunk bytes once :meth:`TransferEngine.done` is True.
+* :meth:`TransferEngine.fence` is called before the next step's forward is
+  issued: from then on the compute stream does not overwrite any block a store
+  still has to read (a freed block may be reused by the next step).
+* :meth:`TransferEngine.load` returns when the chunk bytes are in the paged
+  cache as far as the compute stream is concerned (attention issued after
+  the call reads them).
+
+``slots`` are ``[C, T]`` int64 paged slots (``block_id * block_size + offset``,
+-1 = leave the token alone), ``bufs`` are C host tensors ``[1, L, KV, T, H, D]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from vllm_kvplugin.layout.descriptor import KVLayout
+
+
+class TransferEngine(Protocol):
+    name: str
+
+    def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+              bufs: Sequence[torch.Tensor]) -> Any: ...
+
+    def done(self, ticket: Any) -> bool: ...
+
+    def wait(self, ticket: Any) -> None: ...
+
+    def fence(self) -> None: ...
+
+    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+             bufs: Sequence[torch.Tensor]) -> None: ...
+
+
+def engine_for(device: torch.device) -> TransferEngine:
+    if device.type == "cuda":
+        from vllm_kvplugin.transfer.cuda import CudaTransfer
+
+        return CudaTransfer(device)
+    from vllm_kvplugin.transfer.cpu import CpuTransfer
+
+    return CpuTransfer()

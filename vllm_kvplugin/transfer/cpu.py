@@ -1,0 +1,38 @@
+"""Transfers when the KV cache is in host memory (vLLM's CPU platform): plain synchronous copies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_kvplugin import ops
+from vllm_kvplugin.layout.descriptor import KVLayout
+
+
+class CpuTransfer:
+    """gather/scatter straight between the paged cache and the host buffers."""
+
+    name = "cpu"
+
+    def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+              bufs: Sequence[torch.Tensor]) -> None:
+        for c, buf in enumerate(bufs):
+            ops.gather(layers, slots[c:c + 1], layout.strides, layout.block_size,
+                       layout.kernel_block_size, layout.num_blocks, buf)
+        return None
+
+    def done(self, ticket: None) -> bool:
+        return True
+
+    def wait(self, ticket: None) -> None:
+        return None
+
+    def fence(self) -> None:
+        return None
+
+    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+             bufs: Sequence[torch.Tensor]) -> None:
+        for c, buf in enumerate(bufs):
+            ops.scatter(layers, slots[c:c + 1], layout.strides, layout.block_size,
+                        layout.kernel_block_size, layout.num_blocks, buf)
