@@ -74,6 +74,21 @@ Geometry check_args(const char* op, at::TensorList layers,
   g.kbs = kernel_block_size;
   g.num_blocks = num_blocks;
   g.esize = chunk.element_size();
+  // Every address the op can touch must lie inside each layer's storage: a
+  // wrong descriptor is an error here, never a stray write.
+  for (int64_t st : strides) {
+    TORCH_CHECK(st >= 0, op, ": negative stride ", st, " in ", strides);
+  }
+  const int64_t r = block_size / kernel_block_size;
+  const int64_t reach = (num_blocks - 1) * g.s_block + (r - 1) * g.s_sub +
+                        (kernel_block_size - 1) * g.s_tok + (g.H - 1) * g.s_head +
+                        (g.KV - 1) * g.s_kv + (g.D - 1) * g.s_dim;
+  for (const auto& t : layers) {
+    const int64_t avail =
+        static_cast<int64_t>(t.storage().nbytes()) / g.esize - t.storage_offset();
+    TORCH_CHECK(reach < avail, op, ": strides ", strides, " reach element ", reach,
+                " but the layer holds ", avail, " elements from its start");
+  }
   return g;
 }
 

@@ -70,12 +70,14 @@ def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
     return out
 
 
-def backend_name(vllm_config: Any, layer_name: str) -> str:
+def attn_backend(vllm_config: Any, layer_name: str) -> Any:
+    """The attention backend class of a layer (None for layers without one)."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
-    backend = getattr(layer, "attn_backend", None)
-    if backend is None:
-        return f"<no attention backend: {type(layer).__name__}>"
-    return str(backend.get_name())
+    return getattr(layer, "attn_backend", None)
+
+
+def backend_name(backend: Any) -> str:
+    return "<no attention backend>" if backend is None else str(backend.get_name())
 
 
 def describe_groups(
@@ -85,7 +87,7 @@ def describe_groups(
     *,
     vllm_version: str,
     layout_name: str,
-    physical_order: Callable[[str], tuple[int, ...] | None],
+    physical_order: Callable[[str, Any], tuple[int, ...] | None],
     mla_has_head_dim: bool,
     split_semantics: Callable[[str], ContentSemantics | None],
 ) -> list[tuple[GroupSource, list[torch.Tensor]]]:
@@ -105,10 +107,12 @@ def describe_groups(
                     f"KV cache group {info.group_index} ({info.spec_kind}), layer {name}: "
                     f"vLLM {vllm_version} registered a {type(t).__name__}, not a tensor "
                     "(recurrent state pages are not supported)")
-        backends = {backend_name(vllm_config, n) for n in names}
-        if len(backends) != 1:
-            raise LayoutError(f"KV cache group {info.group_index} mixes attention backends {sorted(backends)}")
-        backend = backends.pop()
+        classes = {attn_backend(vllm_config, n) for n in names}
+        if len(classes) != 1:
+            raise LayoutError(f"KV cache group {info.group_index} mixes attention backends "
+                              f"{sorted(backend_name(c) for c in classes)}")
+        backend_cls = classes.pop()
+        backend = backend_name(backend_cls)
         src = GroupSource(
             group_index=info.group_index,
             spec_kind=info.spec_kind,
@@ -124,7 +128,7 @@ def describe_groups(
             vllm_version=vllm_version,
             mla_has_head_dim=mla_has_head_dim,
             split_semantics=split_semantics(backend),
-            physical_order=physical_order(layout_name),
+            physical_order=physical_order(layout_name, backend_cls),
         )
         out.append((src, tensors))
         grouped.update(names)

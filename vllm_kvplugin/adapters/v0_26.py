@@ -2,8 +2,9 @@
 
 * ``register_kv_caches`` gets one tensor per layer, each its own allocation,
   logical ``(B*r, H, N, 2D)`` (fused backends) permuted by the backend's
-  stride order; the order is ``get_kv_cache_layout()`` ("NHD" or "HND";
-  CPU_ATTN forces "HND").
+  ``get_kv_cache_stride_order()``, which follows ``get_kv_cache_layout()``
+  ("NHD" or "HND"; CPU_ATTN forces "HND") except where a backend fixes its own
+  order (FlexAttention: always NHD).
 * MLA views are ``(B*r, N, D_latent)``; ROCM_ATTN keeps ``(2, B, N, H, D)``.
 * Completion goes through ``get_finished`` (0.26 calls it directly).
 """
@@ -16,7 +17,6 @@ from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.layout.descriptor import ContentSemantics
 
 ERA = "0.26"
-_ORDER = {"NHD": (0, 2, 1, 3), "HND": (0, 1, 2, 3)}
 
 
 def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -25,8 +25,17 @@ def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
     return str(get_kv_cache_layout() or "NHD")
 
 
-def physical_order(name: str) -> tuple[int, ...] | None:
-    return _ORDER.get(name)
+def physical_order(name: str, backend: Any) -> tuple[int, ...] | None:
+    """The backend's own stride order (logical -> physical) for 4-D fused views.
+
+    As ``_reshape_kv_cache_tensors`` does: a backend without one (CPU_ATTN)
+    keeps the logical order.
+    """
+    try:
+        order = tuple(backend.get_kv_cache_stride_order())
+    except (AttributeError, NotImplementedError):
+        order = (0, 1, 2, 3)
+    return order if len(order) == 4 else None
 
 
 def split_semantics(backend: str) -> ContentSemantics | None:

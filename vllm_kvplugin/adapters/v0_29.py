@@ -30,7 +30,7 @@ def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
     return str(_LAYOUT_COMPAT_ALIASES.get(name, name))
 
 
-def physical_order(name: str) -> tuple[int, ...] | None:
+def physical_order(name: str, backend: Any = None) -> tuple[int, ...] | None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     try:

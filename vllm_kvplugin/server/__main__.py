@@ -1,0 +1,5 @@
+import sys
+
+from vllm_kvplugin.server import main
+
+sys.exit(main())

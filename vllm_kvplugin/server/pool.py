@@ -1,0 +1,166 @@
+"""L1: the shared-memory pool file and the allocator that places objects in it.
+
+The pool is a file under ``/dev/shm`` (mode 0600, created exclusively), sized
+with ``ftruncate`` so that pages are only touched when written.  Clients map
+it read/write by path.  Its name carries the owner's uid and the server's
+pid so a later server can sweep the pools of servers that died by SIGKILL.
+
+The allocator is best-fit over free extents kept sorted by (size, offset),
+with coalescing of neighbours.  A model has few distinct object sizes, so a
+freed block is usually reused exactly.  Blocks are multiples of
+:data:`~vllm_kvplugin.server.protocol.PAYLOAD_ALIGN`; an object sits at
+``block + PAYLOAD_ALIGN - HEADER_SIZE`` so that its payload is aligned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import re
+import secrets
+
+from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
+from vllm_kvplugin.server.protocol import PAYLOAD_ALIGN
+
+logger = logging.getLogger(__name__)
+
+OBJECT_SHIFT = PAYLOAD_ALIGN - HEADER_SIZE
+assert OBJECT_SHIFT >= 0
+_POOL_RE = re.compile(r"^vllm-kvplugin-(\d+)-(\d+)-[0-9a-f]+\.pool$")
+
+
+def block_size_for(nbytes: int) -> int:
+    """Bytes of pool a ``nbytes`` object occupies (alignment pad included)."""
+    n = OBJECT_SHIFT + nbytes
+    return (n + PAYLOAD_ALIGN - 1) // PAYLOAD_ALIGN * PAYLOAD_ALIGN
+
+
+class Allocator:
+    """Best-fit allocator of ``[0, capacity)``; offsets and sizes in bytes, multiples of PAYLOAD_ALIGN."""
+
+    def __init__(self, capacity: int):
+        capacity -= capacity % PAYLOAD_ALIGN
+        self.capacity = capacity
+        self.used = 0
+        self._by_off: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._sorted: list[tuple[int, int]] = []
+        if capacity > 0:
+            self._add(0, capacity)
+
+    def _add(self, off: int, size: int) -> None:
+        self._by_off[off] = size
+        self._by_end[off + size] = off
+        bisect.insort(self._sorted, (size, off))
+
+    def _remove(self, off: int, size: int) -> None:
+        del self._by_off[off]
+        del self._by_end[off + size]
+        i = bisect.bisect_left(self._sorted, (size, off))
+        assert self._sorted[i] == (size, off)
+        del self._sorted[i]
+
+    def alloc(self, size: int) -> int | None:
+        if size <= 0 or size % PAYLOAD_ALIGN:
+            raise ValueError(f"bad block size {size}")
+        i = bisect.bisect_left(self._sorted, (size, -1))
+        if i == len(self._sorted):
+            return None
+        fsize, off = self._sorted[i]
+        self._remove(off, fsize)
+        if fsize > size:
+            self._add(off + size, fsize - size)
+        self.used += size
+        return off
+
+    def free(self, off: int, size: int) -> None:
+        self.used -= size
+        prev = self._by_end.get(off)
+        if prev is not None:
+            psize = self._by_off[prev]
+            self._remove(prev, psize)
+            off, size = prev, size + psize
+        nxt_size = self._by_off.get(off + size)
+        if nxt_size is not None:
+            self._remove(off + size, nxt_size)
+            size += nxt_size
+        self._add(off, size)
+
+    def largest_free(self) -> int:
+        return self._sorted[-1][0] if self._sorted else 0
+
+    @property
+    def free_extents(self) -> int:
+        return len(self._sorted)
+
+
+class SharedPool:
+    """The pool file, created by the server and mapped by it."""
+
+    def __init__(self, shm_dir: str, size: int):
+        size -= size % PAYLOAD_ALIGN
+        self.size = size
+        sweep_stale_pools(shm_dir)
+        st = os.statvfs(shm_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < size:
+            logger.warning(
+                "%s has %d bytes free, less than the pool's %d (--l1-bytes): writers may get SIGBUS "
+                "when it fills up", shm_dir, free, size)
+        name = f"vllm-kvplugin-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}.pool"
+        self.path = os.path.join(shm_dir, name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.view = memoryview(self.mmap)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            self.view.release()
+            self.mmap.close()
+        except BufferError:  # a reader thread still holds a slice; the OS cleans up at exit
+            pass
+
+
+def sweep_stale_pools(shm_dir: str) -> int:
+    """Remove pool files of this user whose server process is gone (killed by SIGKILL)."""
+    n = 0
+    uid = os.getuid()
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        m = _POOL_RE.match(name)
+        if not m or int(m.group(1)) != uid:
+            continue
+        pid = int(m.group(2))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            n += 1
+            logger.info("removed the pool of dead server %d: %s", pid, name)
+        except OSError:
+            pass
+    return n

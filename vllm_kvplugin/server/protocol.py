@@ -1,0 +1,312 @@
+"""Wire protocol of the cache server (shared by the server and :mod:`vllm_kvplugin.tiers.mp_client`).
+
+Transport: ZMQ, server ROUTER, client DEALER.  Every message is exactly one
+frame of msgpack (msgspec), never pickle.  A request is an :class:`Envelope`
+(protocol version, request id, op name, the op's body as raw msgpack); a reply
+is a :class:`ReplyEnvelope` carrying the same id.  The server decodes the
+envelope first (bad bytes -> ``malformed``), then checks the version
+(``version``), the op (``unknown_op``) and only then decodes the body with
+the op's own type (``invalid``).  See ``README.md`` beside this file.
+
+Everything here is torch-free: the server must run without torch.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import struct
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+
+#: bumped on any incompatible change of the messages below
+PROTOCOL_VERSION = 1
+#: a request larger than this gets a ``too_large`` error reply
+MAX_MESSAGE_BYTES = 16 << 20
+#: ZMQ drops the connection of a peer sending more than this (no reply possible)
+HARD_MESSAGE_BYTES = 64 << 20
+
+KEY_SIZE = 16
+_OID = struct.Struct("<HHH")
+OBJECT_ID_SIZE = KEY_SIZE + _OID.size  # 22
+
+#: payloads start on this alignment inside the pool (the object starts HEADER_SIZE before)
+PAYLOAD_ALIGN = 256
+
+U16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=0xFFFF)]
+ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+def object_id(key: bytes, group: int, rank: int, world: int) -> bytes:
+    """The 22-byte id of one stored object: chunk key, KV cache group, TP rank, TP world size."""
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"chunk key must be {KEY_SIZE} bytes, got {len(key)}")
+    if not (0 <= group <= 0xFFFF and 0 <= rank < world <= 0xFFFF):
+        raise ValueError(f"bad object coordinates group={group} rank={rank} world={world}")
+    return bytes(key) + _OID.pack(group, rank, world)
+
+
+def split_object_id(oid: bytes) -> tuple[bytes, int, int, int]:
+    """Inverse of :func:`object_id`: (key, group, rank, world)."""
+    if len(oid) != OBJECT_ID_SIZE:
+        raise ValueError(f"object id must be {OBJECT_ID_SIZE} bytes, got {len(oid)}")
+    g, r, w = _OID.unpack_from(oid, KEY_SIZE)
+    return oid[:KEY_SIZE], g, r, w
+
+
+def oid_suffix(group: int, rank: int, world: int) -> bytes:
+    return _OID.pack(group, rank, world)
+
+
+# --------------------------------------------------------------------- envelopes
+class Envelope(msgspec.Struct, frozen=True):
+    v: int
+    id: U63
+    op: ShortStr
+    body: msgspec.Raw = msgspec.Raw(b"\x80")  # {} by default
+
+
+class ReplyEnvelope(msgspec.Struct, frozen=True):
+    v: int
+    id: int
+    ok: bool
+    code: str = ""
+    error: str = ""
+    body: msgspec.Raw = msgspec.Raw(b"\x80")
+
+
+# error codes of ReplyEnvelope.code
+E_MALFORMED = "malformed"          # not a msgpack envelope, or more than one frame
+E_TOO_LARGE = "too_large"          # over MAX_MESSAGE_BYTES
+E_VERSION = "version"              # protocol version differs
+E_UNKNOWN_OP = "unknown_op"
+E_INVALID = "invalid"              # body does not match the op's schema or its rules
+E_AUTH = "auth"                    # missing or wrong token
+E_HELLO = "hello_required"         # this connection has not said hello (or was reaped)
+E_UNKNOWN_LEASE = "unknown_lease"  # released, expired, or from another server instance
+E_NOT_LEASED = "not_leased"        # resolve asked for objects the lease does not pin
+E_INTERNAL = "internal"
+
+
+# --------------------------------------------------------------------- bodies
+class Empty(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class HelloReq(msgspec.Struct, frozen=True):
+    client_name: ShortStr = ""
+    pid: int = 0
+    token: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+
+class HelloRep(msgspec.Struct, frozen=True):
+    server_version: str
+    protocol: int
+    instance: str          # random per server start: a new one means leases/offsets are gone
+    pool_path: str
+    pool_size: int
+    header_size: int
+    payload_align: int
+    heartbeat_s: float
+    lease_s: float
+    reserve_s: float
+    max_message_bytes: int
+
+
+class LookupReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    keys: bytes            # n * 16 bytes, chunk keys in prefix order
+    groups: Count          # objects (g, r) for g < groups, r < ranks must all be present
+    ranks: Count
+    world: Count
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0  # budget for L2 -> L1 promotion
+
+
+class LookupRep(msgspec.Struct, frozen=True):
+    hits: int              # leading chunk positions present and pinned
+    lease: int             # 0 when hits == 0
+    pinned_bytes: int      # bytes of every object the lease pins (the planned transfer)
+    l2_promoted: int       # objects brought from L2 into L1 for this lookup
+
+
+class ResolveReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lease: U63
+    keys: bytes
+    group: U16
+    rank: U16
+    world: Count
+
+
+class ResolveRep(msgspec.Struct, frozen=True):
+    offsets: list[int]     # object offsets in the pool (header first, payload after HEADER_SIZE)
+    sizes: list[int]       # object sizes (HEADER_SIZE + payload bytes)
+
+
+class LeaseReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lease: U63
+
+
+class ReleaseRep(msgspec.Struct, frozen=True):
+    found: bool
+    pinned_objects: int = 0
+    pinned_bytes: int = 0
+    resolved_objects: int = 0
+    resolved_bytes: int = 0
+
+
+class ReserveReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ids: bytes             # n * 22 bytes
+    sizes: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+RESERVE_EXISTS = -1
+RESERVE_NO_ROOM = -2
+
+
+class ReserveRep(msgspec.Struct, frozen=True):
+    offsets: list[int]     # >= 0: object offset; RESERVE_EXISTS; RESERVE_NO_ROOM
+
+
+class IdsReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ids: bytes             # n * 22 bytes
+
+
+COMMIT_OK = 0
+COMMIT_NOT_RESERVED = 1    # unknown, not ours, already committed, or reclaimed
+COMMIT_BAD_HEADER = 2      # the chunk header does not name this object / size
+
+
+class CommitRep(msgspec.Struct, frozen=True):
+    status: list[int]
+
+
+class AbortRep(msgspec.Struct, frozen=True):
+    aborted: int
+
+
+class StatsRep(msgspec.Struct, frozen=True):
+    values: dict[str, Any]
+
+
+#: op name -> (request body type, reply body type)
+OPS: dict[str, tuple[type, type]] = {
+    "hello": (HelloReq, HelloRep),
+    "heartbeat": (Empty, Empty),
+    "lookup": (LookupReq, LookupRep),
+    "resolve": (ResolveReq, ResolveRep),
+    "release": (LeaseReq, ReleaseRep),
+    "reserve": (ReserveReq, ReserveRep),
+    "commit": (IdsReq, CommitRep),
+    "abort": (IdsReq, AbortRep),
+    "stats": (Empty, StatsRep),
+}
+
+ENCODER = msgspec.msgpack.Encoder()
+ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+REPLY_DECODER = msgspec.msgpack.Decoder(ReplyEnvelope)
+REQ_DECODERS = {op: msgspec.msgpack.Decoder(t[0]) for op, t in OPS.items()}
+REP_DECODERS = {op: msgspec.msgpack.Decoder(t[1]) for op, t in OPS.items()}
+
+
+def encode_request(op: str, req_id: int, body: msgspec.Struct, version: int = PROTOCOL_VERSION) -> bytes:
+    return ENCODER.encode(Envelope(version, req_id, op, msgspec.Raw(ENCODER.encode(body))))
+
+
+def encode_reply(req_id: int, body: msgspec.Struct | None = None, code: str = "", error: str = "") -> bytes:
+    raw = msgspec.Raw(ENCODER.encode(body)) if body is not None else msgspec.Raw(b"\x80")
+    return ENCODER.encode(ReplyEnvelope(PROTOCOL_VERSION, req_id, not code, code, error, raw))
+
+
+def split_ids(blob: bytes, size: int) -> list[bytes]:
+    if len(blob) % size:
+        raise ValueError(f"id blob of {len(blob)} bytes is not a multiple of {size}")
+    return [blob[i:i + size] for i in range(0, len(blob), size)]
+
+
+# --------------------------------------------------------------------- addresses
+@dataclass(frozen=True)
+class Address:
+    """A parsed ``--listen`` / client address."""
+
+    kind: str          # "unix" or "tcp"
+    path: str = ""     # unix
+    host: str = ""     # tcp
+    port: int = 0      # tcp (0: pick one)
+
+    @property
+    def zmq(self) -> str:
+        if self.kind == "unix":
+            return f"ipc://{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port if self.port else '*'}"
+
+    def __str__(self) -> str:
+        if self.kind == "unix":
+            return f"unix://{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.kind == "unix":
+            return True
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+#: the longest Unix socket path the kernel accepts (sun_path minus the NUL)
+MAX_UNIX_PATH = 107
+
+
+def parse_address(text: str) -> Address:
+    """``/path``, ``unix:///path``, ``ipc:///path`` or ``tcp://HOST:PORT``; raises ValueError."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("empty address")
+    if text.startswith(("unix://", "ipc://")):
+        path = text.split("://", 1)[1]
+    elif text.startswith("tcp://"):
+        rest = text[len("tcp://"):]
+        if rest.startswith("["):
+            host, _, port = rest[1:].partition("]:")
+        else:
+            host, _, port = rest.rpartition(":")
+        if not host or not port:
+            raise ValueError(f"tcp address must be tcp://HOST:PORT, got {text!r}")
+        if port == "*":
+            port = "0"
+        try:
+            p = int(port)
+        except ValueError:
+            raise ValueError(f"bad port in {text!r}") from None
+        if not 0 <= p <= 65535:
+            raise ValueError(f"bad port in {text!r}")
+        return Address("tcp", host=host, port=p)
+    elif "://" in text:
+        raise ValueError(f"unsupported address scheme in {text!r} (use unix:///path or tcp://HOST:PORT)")
+    else:
+        path = text
+    if not path:
+        raise ValueError(f"empty socket path in {text!r}")
+    path = os.path.abspath(os.path.expanduser(path))
+    if len(path.encode()) > MAX_UNIX_PATH:
+        raise ValueError(f"unix socket path is {len(path.encode())} bytes, the limit is {MAX_UNIX_PATH}: {path}")
+    return Address("unix", path=path)
+
+
+def default_socket_dir() -> str:
+    """The private directory of the default socket: $XDG_RUNTIME_DIR/vllm-kvplugin or /tmp/vllm-kvplugin-$UID."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "vllm-kvplugin")
+    return f"/tmp/vllm-kvplugin-{os.getuid()}"
+
+
+def default_address() -> str:
+    return f"unix://{os.path.join(default_socket_dir(), 'server.sock')}"

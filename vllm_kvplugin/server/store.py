@@ -1,0 +1,662 @@
+"""The server's state machine: objects, sessions, leases, eviction, L2 index.
+
+Only the server's main thread calls into :class:`Store` (the L2 threads talk
+to it through :class:`~vllm_kvplugin.server.l2.L2Workers` queues).
+
+Object states::
+
+    reserve --> RESERVED (owner session; invisible) --commit, header names it--> READY
+    RESERVED --abort--> freed;  --owner reaped / reserve timeout--> freed after quarantine
+    READY --evicted, L2 on--> L2ONLY --lookup--> PROMOTING --read + checksum ok--> READY
+    READY --evicted, L2 off--> gone;  PROMOTING --read or checksum fails--> gone (file deleted)
+
+A READY object is evictable only while nothing pins it: a lease (lookup), a
+pending lookup (promotion in flight) and the L2 writer (while it reads the
+bytes) all pin.  Evictable objects sit in ``lru``; pinned ones do not.  An
+object dropped while pinned (``doomed``) leaves the index at once and frees
+its memory when the last pin goes.
+
+A lookup counts the leading chunk positions whose every (group, rank) object
+is READY and pins exactly those objects under a lease; a resolve returns
+exactly objects of that lease.  The reported hit is a pure function of the
+keys the client sent: the server never extends it, never counts a position
+with a missing or uncommitted object, and never counts past the keys sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, HeaderError, header_object_id, parse_header
+from vllm_kvplugin.server.config import ServerConfig
+from vllm_kvplugin.server.l2 import Job, L2Dir, L2Workers
+from vllm_kvplugin.server.pool import OBJECT_SHIFT, Allocator, block_size_for
+from vllm_kvplugin.server.protocol import (
+    COMMIT_BAD_HEADER, COMMIT_NOT_RESERVED, COMMIT_OK, E_INVALID, E_NOT_LEASED, E_UNKNOWN_LEASE,
+    KEY_SIZE, OBJECT_ID_SIZE, RESERVE_EXISTS, RESERVE_NO_ROOM, LookupRep, ReleaseRep, oid_suffix,
+    split_object_id,
+)
+
+logger = logging.getLogger(__name__)
+
+RESERVED, READY, PROMOTING, L2ONLY = 0, 1, 2, 3
+W_NONE, W_QUEUED, W_WRITING = 0, 1, 2
+
+
+class RequestError(Exception):
+    """An error reply: ``code`` is one of the protocol's E_* codes."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Obj:
+    __slots__ = ("oid", "nbytes", "state", "block", "bsize", "pins", "owner", "deadline",
+                 "in_l2", "wstate", "doomed")
+
+    def __init__(self, oid: bytes, nbytes: int, state: int):
+        self.oid = oid
+        self.nbytes = nbytes
+        self.state = state
+        self.block = -1
+        self.bsize = 0
+        self.pins = 0
+        self.owner: Session | None = None
+        self.deadline = 0.0
+        self.in_l2 = False
+        self.wstate = W_NONE
+        self.doomed = False
+
+    @property
+    def offset(self) -> int:
+        return self.block + OBJECT_SHIFT
+
+
+@dataclass(eq=False)
+class Session:
+    ident: bytes
+    name: str
+    pid: int
+    last_seen: float
+    reserved: set = field(default_factory=set)     # oids in RESERVED state owned by us
+    leases: set = field(default_factory=set)       # lease ids we created
+
+
+@dataclass(eq=False)
+class Lease:
+    lid: int
+    owner: Session
+    world: int
+    groups: int
+    ranks: int
+    pinned: list                      # Obj, one entry per pin taken (prefix order)
+    objs: dict                        # oid -> Obj (what resolve may return)
+    deadline: float
+    pinned_bytes: int = 0
+    resolved_objects: int = 0
+    resolved_bytes: int = 0
+
+
+@dataclass(eq=False)
+class PendingLookup:
+    """A lookup waiting for L2 -> L1 promotions (or its time budget)."""
+
+    ident: bytes
+    req_id: int
+    reply_frames: list
+    session: Session
+    world: int
+    groups: int
+    ranks: int
+    positions: list                   # list[list[Obj]], every object pinned once
+    waiting: set                      # oids still PROMOTING
+    deadline: float
+    promoted: int = 0
+
+
+class Store:
+    def __init__(self, cfg: ServerConfig, pool_view: memoryview, wake_fd: int):
+        self.cfg = cfg
+        self.pool = pool_view
+        self.alloc = Allocator(pool_view.nbytes)
+        self.objs: dict[bytes, Obj] = {}
+        self.lru: OrderedDict[bytes, Obj] = OrderedDict()      # evictable READY objects, oldest first
+        self.sessions: dict[bytes, Session] = {}
+        self.leases: dict[int, Lease] = {}
+        self.pending: list[PendingLookup] = []
+        self.quarantine: list[tuple[float, int, int]] = []
+        self.committed_bytes = 0
+        self.committed_objects = 0
+        self.stats: dict[str, int] = defaultdict(int)
+        self.now = 0.0  # the main loop's clock, set before each request
+        self.l2: L2Dir | None = None
+        self.workers: L2Workers | None = None
+        self.l2_lru: OrderedDict[bytes, int] = OrderedDict()    # files, oldest first
+        self.l2_used = 0
+        if cfg.l2_dir:
+            self.l2 = L2Dir(cfg.l2_dir)
+            self.workers = L2Workers(self.l2, pool_view, cfg.l2_readers, wake_fd)
+            self._reindex()
+
+    # ------------------------------------------------------------------ L2 index
+    def _reindex(self) -> None:
+        assert self.l2 is not None
+        found, bad = self.l2.scan()
+        self.stats["l2_corrupt_files"] += bad
+        for oid, size, _mtime in found:
+            e = Obj(oid, size, L2ONLY)
+            e.in_l2 = True
+            self.objs[oid] = e
+            self.l2_lru[oid] = size
+            self.l2_used += size
+        self.stats["l2_reindexed_objects"] = len(found)
+        self._enforce_l2_budget()
+        logger.info("L2 %s: %d objects, %d bytes re-indexed (%d bad files dropped)",
+                    self.cfg.l2_dir, len(self.l2_lru), self.l2_used, bad)
+
+    def _enforce_l2_budget(self) -> None:
+        if self.l2 is None:
+            return
+        while self.l2_used > self.cfg.l2_bytes and self.l2_lru:
+            victim = None
+            for oid in self.l2_lru:
+                e = self.objs.get(oid)
+                # keep files being read, and those a lookup has pinned to promote
+                if e is None or (e.state == READY or e.pins == 0) and e.state != PROMOTING:
+                    victim = oid
+                    break
+            if victim is None:
+                return
+            self._drop_l2(victim)
+            self.stats["l2_evictions"] += 1
+
+    def _drop_l2(self, oid: bytes) -> None:
+        size = self.l2_lru.pop(oid, None)
+        if size is None:
+            return
+        self.l2_used -= size
+        assert self.l2 is not None
+        self.l2.delete(oid)
+        e = self.objs.get(oid)
+        if e is not None:
+            e.in_l2 = False
+            if e.state == L2ONLY:
+                del self.objs[oid]
+
+    # ------------------------------------------------------------------ L1 memory
+    def _alloc(self, bsize: int) -> int | None:
+        """A block of ``bsize`` bytes, evicting LRU objects if needed; None if none can be freed."""
+        off = self.alloc.alloc(bsize)
+        while off is None:
+            if not self._evict_one():
+                return None
+            off = self.alloc.alloc(bsize)
+        return off
+
+    def _evict_one(self) -> bool:
+        victim = None
+        for e in self.lru.values():
+            if e.wstate != W_WRITING:
+                victim = e
+                break
+        if victim is None:
+            return False
+        self._evict(victim)
+        return True
+
+    def _evict(self, e: Obj) -> None:
+        """Take a READY, unpinned object out of L1 (into L2 first when L2 is on)."""
+        self.lru.pop(e.oid, None)
+        if self.workers is not None and e.wstate == W_QUEUED:
+            with self.workers.claim_lock:
+                claimed = e.wstate == W_QUEUED
+                if claimed:
+                    e.wstate = W_NONE
+            if claimed:
+                err = self.workers.write_now(Job("write", e.oid, e.offset, e.nbytes, e))
+                self._write_done(e, err, sync=True)
+                if e.doomed or self.objs.get(e.oid) is not e:
+                    return  # the write found it corrupt and dropped it
+        self.stats["l1_evictions"] += 1
+        self.stats["l1_evicted_bytes"] += e.nbytes
+        self._uncommit(e)
+        self.alloc.free(e.block, e.bsize)
+        e.block, e.bsize = -1, 0
+        if e.in_l2:
+            e.state = L2ONLY
+        else:
+            del self.objs[e.oid]
+
+    def _uncommit(self, e: Obj) -> None:
+        if e.state == READY:
+            self.committed_objects -= 1
+            self.committed_bytes -= e.nbytes
+
+    def _drop(self, e: Obj, reason: str) -> None:
+        """Forget an object now (corrupt); its memory goes when the last pin does."""
+        self.stats[f"dropped_{reason}"] += 1
+        if self.objs.get(e.oid) is e:
+            del self.objs[e.oid]
+        self.lru.pop(e.oid, None)
+        if e.in_l2:
+            self._drop_l2(e.oid)
+        self._uncommit(e)
+        e.state = L2ONLY if e.block < 0 else e.state
+        e.doomed = True
+        self._maybe_free(e)
+
+    def _maybe_free(self, e: Obj) -> None:
+        if e.doomed and e.pins == 0 and e.wstate == W_NONE and e.block >= 0:
+            self.alloc.free(e.block, e.bsize)
+            e.block, e.bsize = -1, 0
+
+    def _pin(self, e: Obj) -> None:
+        e.pins += 1
+        if e.pins == 1:
+            self.lru.pop(e.oid, None)
+
+    def _unpin(self, e: Obj) -> None:
+        e.pins -= 1
+        assert e.pins >= 0
+        if e.pins == 0:
+            if e.doomed:
+                self._maybe_free(e)
+            elif e.state == READY and self.objs.get(e.oid) is e:
+                self.lru[e.oid] = e
+                self.lru.move_to_end(e.oid)
+
+    def evict_to_watermark(self) -> None:
+        cap = self.alloc.capacity
+        if self.alloc.used <= self.cfg.high_watermark * cap:
+            return
+        target = self.cfg.low_watermark * cap
+        while self.alloc.used > target and self._evict_one():
+            self.stats["watermark_evictions"] += 1
+
+    # ------------------------------------------------------------------ sessions
+    def hello(self, ident: bytes, name: str, pid: int, now: float) -> Session:
+        s = self.sessions.get(ident)
+        if s is None:
+            s = Session(ident, name, pid, now)
+            self.sessions[ident] = s
+            self.stats["clients_connected"] += 1
+        s.last_seen = now
+        return s
+
+    def reap(self, s: Session, reason: str) -> None:
+        if self.sessions.get(s.ident) is not s:
+            return
+        del self.sessions[s.ident]
+        for p in [p for p in self.pending if p.session is s]:
+            self._finish_pending(p)  # nobody to answer; its lease is released just below
+        for lid in list(s.leases):
+            self.release(lid)
+        self._reclaim_reservations(s, list(s.reserved))
+        self.stats[f"clients_{reason}"] += 1
+
+    def _reclaim_reservations(self, s: Session, oids: list[bytes], now: float | None = None) -> None:
+        for oid in oids:
+            s.reserved.discard(oid)
+            e = self.objs.get(oid)
+            if e is None or e.state != RESERVED or e.owner is not s:
+                continue
+            del self.objs[oid]
+            # the writer may still be alive and writing: keep the memory out of use for a while
+            self.quarantine.append((self.now + self.cfg.quarantine_s, e.block, e.bsize))
+            e.block, e.bsize = -1, 0
+            self.stats["reservations_reclaimed"] += 1
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, s: Session, keys: bytes, groups: int, ranks: int, world: int, wait_s: float,
+               ident: bytes, req_id: int, reply_frames: list, now: float) -> LookupRep | PendingLookup:
+        if len(keys) % KEY_SIZE:
+            raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
+        if ranks > world:
+            raise RequestError(E_INVALID, f"ranks {ranks} > world {world}")
+        self.stats["lookups"] += 1
+        n = len(keys) // KEY_SIZE
+        self.stats["lookup_chunks"] += n
+        suffixes = [oid_suffix(g, r, world) for g in range(groups) for r in range(ranks)]
+        objs = self.objs
+        positions: list[list[Obj]] = []
+        for i in range(n):
+            key = keys[i * KEY_SIZE:(i + 1) * KEY_SIZE]
+            row = []
+            for sfx in suffixes:
+                e = objs.get(key + sfx)
+                if e is None or e.state == RESERVED or e.doomed:
+                    break
+                row.append(e)
+            else:
+                positions.append(row)
+                continue
+            break
+        # pin first (so that making room below cannot evict what this lookup found), then
+        # bring L2-only objects into L1, in prefix order; the hit ends at the first without room
+        for row in positions:
+            for e in row:
+                self._pin(e)
+        started: list[Obj] = []
+        cut = len(positions)
+        if self.l2 is not None:
+            for ri, row in enumerate(positions):
+                for e in row:
+                    if e.state != L2ONLY:
+                        continue
+                    bsize = block_size_for(e.nbytes)
+                    off = self._alloc(bsize)
+                    if off is None:
+                        cut = ri
+                        break
+                    e.block, e.bsize, e.state = off, bsize, PROMOTING
+                    started.append(e)
+                if cut != len(positions):
+                    break
+        for row in reversed(positions[cut:]):
+            for e in row:
+                self._unpin(e)
+        del positions[cut:]
+        waiting = {e.oid for row in positions for e in row if e.state == PROMOTING}
+        p = PendingLookup(ident, req_id, reply_frames, s, world, groups, ranks, positions, waiting,
+                          now + wait_s)
+        for e in started:
+            assert self.workers is not None
+            self.workers.reads.put(Job("read", e.oid, e.offset, e.nbytes, e))
+            self.stats["l2_reads_started"] += 1
+        if not waiting:
+            return self._make_lease(p, now)
+        self.pending.append(p)
+        return p
+
+    def _make_lease(self, p: PendingLookup, now: float) -> LookupRep:
+        hits = 0
+        for row in p.positions:
+            if all(e.state == READY and not e.doomed for e in row):
+                hits += 1
+            else:
+                break
+        # unpin what is not part of the hit, tail first
+        for row in reversed(p.positions[hits:]):
+            for e in row:
+                self._unpin(e)
+        self.stats["lookup_hit_chunks"] += hits
+        if hits == 0:
+            return LookupRep(0, 0, 0, p.promoted)
+        lid = secrets.randbits(63) or 1
+        while lid in self.leases:
+            lid = secrets.randbits(63) or 1
+        pinned = [e for row in p.positions[:hits] for e in row]
+        lease = Lease(lid, p.session, p.world, p.groups, p.ranks, pinned,
+                      {e.oid: e for e in pinned}, now + self.cfg.lease_s,
+                      pinned_bytes=sum(e.nbytes for e in pinned))
+        self.leases[lid] = lease
+        p.session.leases.add(lid)
+        self.stats["leases_created"] += 1
+        self.stats["lookup_hit_objects"] += len(pinned)
+        return LookupRep(hits, lid, lease.pinned_bytes, p.promoted)
+
+    def _finish_pending(self, p: PendingLookup) -> LookupRep:
+        self.pending.remove(p)
+        if p.waiting:
+            self.stats["lookup_promotion_timeouts"] += 1
+        return self._make_lease(p, self.now)
+
+    def poll_pending(self, now: float) -> list[tuple[PendingLookup, LookupRep]]:
+        done = []
+        for p in list(self.pending):
+            if not p.waiting or now >= p.deadline or p.session.ident not in self.sessions:
+                done.append((p, self._finish_pending(p)))
+        return done
+
+    # ------------------------------------------------------------------ L2 completions
+    def process_l2(self) -> None:
+        if self.workers is None:
+            return
+        q = self.workers.done
+        while True:
+            try:
+                job = q.get_nowait()
+            except Exception:
+                return
+            e: Obj = job.token
+            if job.kind == "write":
+                with self.workers.claim_lock:
+                    e.wstate = W_NONE
+                self._write_done(e, job.error)
+            else:
+                self._read_done(e, job.error)
+
+    def _write_done(self, e: Obj, err: str | None, sync: bool = False) -> None:
+        if err is None:
+            self.stats["l2_writes"] += 1
+            self.stats["l2_write_bytes"] += e.nbytes
+            if not e.doomed and self.objs.get(e.oid) is e:
+                e.in_l2 = True
+                self.l2_lru[e.oid] = e.nbytes
+                self.l2_used += e.nbytes
+                self._enforce_l2_budget()
+            elif self.l2 is not None:
+                self.l2.delete(e.oid)
+        elif err.startswith("os_error"):
+            self.stats["l2_write_errors"] += 1
+            logger.warning("L2 write of %s failed: %s", e.oid.hex(), err)
+        else:  # the object in L1 is not what its header says: never serve it
+            self.stats["l1_corrupt_objects"] += 1
+            logger.warning("object %s in L1 failed verification (%s): dropped", e.oid.hex(), err)
+            if not e.doomed:
+                self._drop(e, "corrupt_l1")
+        self._maybe_free(e)
+
+    def _read_done(self, e: Obj, err: str | None) -> None:
+        if err is None and not e.doomed:
+            e.state = READY
+            self.committed_objects += 1
+            self.committed_bytes += e.nbytes
+            self.stats["l2_promoted_objects"] += 1
+            self.stats["l2_promoted_bytes"] += e.nbytes
+            if e.oid in self.l2_lru:
+                self.l2_lru.move_to_end(e.oid)
+            if e.pins == 0:
+                self.lru[e.oid] = e
+        else:
+            if err is not None:
+                self.stats["l2_promote_failures"] += 1
+                if err == "checksum" or err in ("header_mismatch", "short_read", "bad_magic",
+                                                "version", "header_checksum"):
+                    self.stats["l2_corrupt_files"] += 1
+                logger.warning("L2 file of %s dropped: %s", e.oid.hex(), err)
+            e.state = PROMOTING  # not READY: lookups waiting on it end their hit here
+            if not e.doomed:
+                self._drop(e, "l2_corrupt")
+            self._maybe_free(e)
+        for p in self.pending:
+            if e.oid in p.waiting:
+                p.waiting.discard(e.oid)
+                if err is None:
+                    p.promoted += 1
+
+    # ------------------------------------------------------------------ resolve / release
+    def resolve(self, lid: int, keys: bytes, group: int, rank: int, world: int,
+                now: float) -> tuple[list[int], list[int]]:
+        lease = self.leases.get(lid)
+        if lease is None:
+            raise RequestError(E_UNKNOWN_LEASE, f"lease {lid} is unknown (released, expired, or "
+                                                "from an earlier server)")
+        if len(keys) % KEY_SIZE:
+            raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
+        sfx = oid_suffix(group, rank, world) if rank < world else b""
+        offsets, sizes = [], []
+        for i in range(0, len(keys), KEY_SIZE):
+            e = lease.objs.get(keys[i:i + KEY_SIZE] + sfx) if sfx else None
+            if e is None:
+                self.stats["resolve_not_leased"] += 1
+                raise RequestError(E_NOT_LEASED, f"key #{i // KEY_SIZE} ({keys[i:i + KEY_SIZE].hex()}) "
+                                                 f"group {group} rank {rank}/{world} is not pinned by "
+                                                 f"lease {lid}")
+            offsets.append(e.offset)
+            sizes.append(e.nbytes)
+        n = sum(sizes)
+        lease.resolved_objects += len(sizes)
+        lease.resolved_bytes += n
+        lease.deadline = now + self.cfg.lease_s
+        self.stats["resolves"] += 1
+        self.stats["resolved_objects"] += len(sizes)
+        self.stats["resolved_bytes"] += n
+        return offsets, sizes
+
+    def release(self, lid: int, expired: bool = False) -> ReleaseRep:
+        lease = self.leases.pop(lid, None)
+        if lease is None:
+            return ReleaseRep(False)
+        lease.owner.leases.discard(lid)
+        for e in reversed(lease.pinned):
+            self._unpin(e)
+        self.stats["leases_expired" if expired else "leases_released"] += 1
+        self.stats["lease_pinned_bytes"] += lease.pinned_bytes
+        self.stats["lease_resolved_bytes"] += lease.resolved_bytes
+        if lease.resolved_bytes != lease.pinned_bytes:
+            self.stats["leases_partially_served"] += 1
+        return ReleaseRep(True, len(lease.pinned), lease.pinned_bytes, lease.resolved_objects,
+                          lease.resolved_bytes)
+
+    # ------------------------------------------------------------------ stores
+    def reserve(self, s: Session, ids: bytes, sizes: list[int], now: float) -> list[int]:
+        if len(ids) % OBJECT_ID_SIZE or len(ids) // OBJECT_ID_SIZE != len(sizes):
+            raise RequestError(E_INVALID, f"{len(ids)} id bytes for {len(sizes)} sizes")
+        items = []
+        for i, nbytes in enumerate(sizes):  # validate everything before reserving anything
+            oid = ids[i * OBJECT_ID_SIZE:(i + 1) * OBJECT_ID_SIZE]
+            _key, g, r, w = split_object_id(oid)
+            bsize = block_size_for(nbytes)
+            if not (r < w) or nbytes <= HEADER_SIZE or bsize > self.alloc.capacity:
+                raise RequestError(E_INVALID, f"item {i}: bad object (group {g} rank {r} world {w}, "
+                                              f"{nbytes} bytes; pool {self.alloc.capacity})")
+            items.append((oid, nbytes, bsize))
+        out = []
+        for oid, nbytes, bsize in items:
+            if oid in self.objs:
+                self.stats["reserve_exists"] += 1
+                out.append(RESERVE_EXISTS)
+                continue
+            off = self._alloc(bsize)
+            if off is None:
+                self.stats["reserve_no_room"] += 1
+                out.append(RESERVE_NO_ROOM)
+                continue
+            e = Obj(oid, nbytes, RESERVED)
+            e.block, e.bsize, e.owner, e.deadline = off, bsize, s, now + self.cfg.reserve_s
+            self.objs[oid] = e
+            s.reserved.add(oid)
+            self.stats["reserved_objects"] += 1
+            out.append(e.offset)
+        return out
+
+    def commit(self, s: Session, ids: bytes) -> list[int]:
+        if len(ids) % OBJECT_ID_SIZE:
+            raise RequestError(E_INVALID, f"id blob of {len(ids)} bytes is not a multiple of {OBJECT_ID_SIZE}")
+        out = []
+        for i in range(0, len(ids), OBJECT_ID_SIZE):
+            oid = ids[i:i + OBJECT_ID_SIZE]
+            e = self.objs.get(oid)
+            if e is None or e.state != RESERVED or e.owner is not s:
+                self.stats["commit_not_reserved"] += 1
+                out.append(COMMIT_NOT_RESERVED)
+                continue
+            s.reserved.discard(oid)
+            try:
+                h = parse_header(self.pool[e.offset:e.offset + HEADER_SIZE])
+                ok = header_object_id(h) == oid and h.object_size == e.nbytes
+            except (HeaderError, ValueError):
+                ok = False
+            if not ok:
+                del self.objs[oid]
+                self.alloc.free(e.block, e.bsize)
+                self.stats["commit_bad_header"] += 1
+                out.append(COMMIT_BAD_HEADER)
+                continue
+            e.state, e.owner = READY, None
+            self.committed_objects += 1
+            self.committed_bytes += e.nbytes
+            self.stats["committed_objects"] += 1
+            self.stats["committed_bytes"] += e.nbytes
+            self.lru[oid] = e
+            if self.workers is not None:
+                e.wstate = W_QUEUED
+                self.workers.writes.put(Job("write", oid, e.offset, e.nbytes, e))
+            out.append(COMMIT_OK)
+        return out
+
+    def abort(self, s: Session, ids: bytes) -> int:
+        if len(ids) % OBJECT_ID_SIZE:
+            raise RequestError(E_INVALID, f"id blob of {len(ids)} bytes is not a multiple of {OBJECT_ID_SIZE}")
+        n = 0
+        for i in range(0, len(ids), OBJECT_ID_SIZE):
+            oid = ids[i:i + OBJECT_ID_SIZE]
+            e = self.objs.get(oid)
+            if e is None or e.state != RESERVED or e.owner is not s:
+                continue
+            s.reserved.discard(oid)
+            del self.objs[oid]
+            self.alloc.free(e.block, e.bsize)
+            n += 1
+        self.stats["aborted_objects"] += n
+        return n
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def tick(self, now: float) -> None:
+        """Expire leases and reservations, reap silent clients, end quarantines, evict to the watermark."""
+        self.now = now
+        for lid in [lid for lid, ls in self.leases.items() if ls.deadline < now]:
+            self.release(lid, expired=True)
+        reap_before = now - self.cfg.reap_s
+        for s in [s for s in self.sessions.values() if s.last_seen < reap_before]:
+            logger.info("reaping client %r (pid %d): silent for %.1f s", s.name, s.pid, now - s.last_seen)
+            self.reap(s, "reaped")
+        for s in self.sessions.values():
+            late = [oid for oid in s.reserved
+                    if (e := self.objs.get(oid)) is not None and e.deadline < now]
+            if late:
+                self.stats["reservations_timed_out"] += len(late)
+                self._reclaim_reservations(s, late)
+        if self.quarantine:
+            keep = []
+            for t, off, size in self.quarantine:
+                if t <= now:
+                    self.alloc.free(off, size)
+                else:
+                    keep.append((t, off, size))
+            self.quarantine = keep
+        self.evict_to_watermark()
+
+    def snapshot(self) -> dict:
+        d: dict = dict(self.stats)
+        d.update(
+            objects=self.committed_objects,
+            bytes=self.committed_bytes,
+            indexed_objects=len(self.objs),
+            reserved_now=sum(len(s.reserved) for s in self.sessions.values()),
+            l1_capacity=self.alloc.capacity,
+            l1_used=self.alloc.used,
+            l1_free_extents=self.alloc.free_extents,
+            l1_evictable_objects=len(self.lru),
+            quarantined_bytes=sum(q[2] for q in self.quarantine),
+            l2_enabled=int(self.l2 is not None),
+            l2_objects=len(self.l2_lru),
+            l2_bytes=self.l2_used,
+            l2_capacity=self.cfg.l2_bytes if self.l2 is not None else 0,
+            l2_write_queue=self.workers.writes.qsize() if self.workers else 0,
+            leases=len(self.leases),
+            leased_bytes=sum(ls.pinned_bytes for ls in self.leases.values()),
+            pending_lookups=len(self.pending),
+            clients=len(self.sessions),
+        )
+        d.setdefault("l1_evictions", 0)
+        d.setdefault("clients_reaped", 0)
+        d.setdefault("l2_corrupt_files", 0)
+        d.setdefault("resolved_bytes", 0)
+        return d

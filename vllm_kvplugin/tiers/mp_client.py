@@ -1,0 +1,445 @@
+"""Client of the node-local cache server (:mod:`vllm_kvplugin.server`).
+
+One :class:`MPClient` per process (it is thread-safe: one lock around the
+socket).  Data never goes through the socket: the client maps the server's
+shared-memory pool and reads/writes objects in place at the offsets the
+server hands out.  Object layout: ``[chunk header (HEADER_SIZE) | payload]``.
+
+Store::
+
+    offs = c.reserve([(oid, HEADER_SIZE + len(payload)), ...])   # None: exists / no room
+    view = c.pool_view(); view[off:off + HEADER_SIZE] = header; view[off + HEADER_SIZE:...] = payload
+    c.commit([oid, ...])                                          # visible from now on
+
+Load::
+
+    hits, lease = c.lookup(keys, groups, ranks, world)            # pins the hit under a lease
+    for off, n in c.resolve(lease, keys[:hits], group, rank, world): ... copy out, check header ...
+    c.release(lease)                                              # planned vs served bytes
+
+Every call is bounded by ``timeout_s``; a dead, hung or restarted server makes
+the call raise :class:`TierUnavailable` and the next call reconnects (new
+socket, hello, the pool re-mapped if the server's pool changed).  After a
+failure, calls fail fast (no socket I/O) for ``retry_s`` so that a missing
+server costs the caller nothing per request.  Server-side refusals (unknown
+lease, invalid request) raise :class:`ServerError` with the protocol's code.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from vllm_kvplugin.server import protocol as P
+from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
+from vllm_kvplugin.server.protocol import TierUnavailableHint, object_id  # noqa: F401
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MPClient", "TierUnavailable", "ServerError", "LookupResult", "LeaseReport", "object_id",
+           "HEADER_SIZE"]
+
+
+class TierUnavailable(Exception):
+    """The server cannot be reached in time (dead, hung, restarted, not started); recompute."""
+
+
+class ServerError(Exception):
+    """The server refused a request; ``code`` is one of ``vllm_kvplugin.server.protocol.E_*``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hits: int            # leading chunk positions present (every group/rank object) and pinned
+    lease: int           # 0 when hits == 0
+    pinned_bytes: int    # bytes of the pinned objects (all groups and ranks of the hit)
+    l2_promoted: int     # objects read from L2 into L1 for this lookup
+
+
+@dataclass(frozen=True)
+class LeaseReport:
+    found: bool          # False: unknown (expired, released twice, or an earlier server)
+    pinned_objects: int
+    pinned_bytes: int
+    resolved_objects: int
+    resolved_bytes: int
+
+
+class MPClient:
+    """Thread-safe client; see the module docstring.
+
+    ``address``: ``unix:///path``, a bare path, or ``tcp://HOST:PORT``.
+    ``token``: the server's ``--token`` (if it has one).  ``heartbeat``: send
+    heartbeats from a daemon thread every ``heartbeat_s`` the server asks for.
+    """
+
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0,
+                 client_name: str | None = None, heartbeat: bool = True, retry_s: float = 1.0,
+                 lookup_wait_s: float | None = None):
+        self.address = P.parse_address(address)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.token = token
+        self.timeout_s = float(timeout_s)
+        self.retry_s = float(retry_s)
+        self.client_name = (client_name or f"pid{os.getpid()}")[:200]
+        self.lookup_wait_s = (min(0.5 * self.timeout_s, 2.0) if lookup_wait_s is None
+                              else float(lookup_wait_s))
+        self._heartbeat_on = heartbeat
+        self._closed = False
+        self._init_process_state()
+
+    # ------------------------------------------------------------------ process state
+    def _init_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._hello: P.HelloRep | None = None
+        self._down_until = 0.0
+        self._req_id = 0
+        self._mmap: mmap.mmap | None = None
+        self._pool_path: str | None = None
+        self._old_maps: list[mmap.mmap] = []
+        self._generation = 0
+        self._instance: str | None = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:  # a forked child: nothing of the parent's socket is usable
+            self._init_process_state()
+
+    # ------------------------------------------------------------------ connection
+    def _disconnect(self, backoff: bool) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close(0)
+            except Exception:
+                pass
+        self._sock = None
+        self._hello = None
+        if backoff:
+            self._down_until = time.monotonic() + self.retry_s
+
+    def _connect(self, deadline: float) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.Context(1)
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)           # never queue requests for a server that is not there
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.MAXMSGSIZE, P.HARD_MESSAGE_BYTES)
+        s.setsockopt(zmq.ROUTING_ID, os.urandom(12))
+        s.connect(self.address.zmq)
+        self._sock = s
+        rep = self._exchange("hello", P.HelloReq(self.client_name, os.getpid(), self.token), deadline)
+        if rep.protocol != P.PROTOCOL_VERSION or rep.header_size != HEADER_SIZE:
+            self._disconnect(backoff=True)
+            raise ServerError(P.E_VERSION, f"server speaks protocol {rep.protocol} with {rep.header_size}-byte "
+                                           f"headers; this client {P.PROTOCOL_VERSION}/{HEADER_SIZE}")
+        self._map_pool(rep)
+        self._hello = rep
+        if self._instance != rep.instance:
+            if self._instance is not None:
+                logger.warning("vllm-kvplugin: cache server %s restarted (instance %s -> %s)",
+                               self.address, self._instance, rep.instance)
+            self._instance = rep.instance
+            self._generation += 1
+        if self._heartbeat_on and (self._hb_thread is None or not self._hb_thread.is_alive()):
+            self._hb_stop.clear()
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                               name="kvplugin-mp-heartbeat")
+            self._hb_thread.start()
+
+    def _map_pool(self, rep: P.HelloRep) -> None:
+        if self._mmap is not None and self._pool_path == rep.pool_path and len(self._mmap) == rep.pool_size:
+            return
+        fd = os.open(rep.pool_path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise ServerError(P.E_AUTH, f"pool {rep.pool_path} is not private to this user "
+                                            f"(uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))})")
+            if st.st_size < rep.pool_size:
+                raise ServerError(P.E_INTERNAL, f"pool {rep.pool_path} has {st.st_size} bytes, "
+                                                f"server says {rep.pool_size}")
+            m = mmap.mmap(fd, rep.pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if self._mmap is not None:
+            self._old_maps.append(self._mmap)  # views of the old pool may still be out there
+        self._mmap = m
+        self._pool_path = rep.pool_path
+
+    def _exchange(self, op: str, body: msgspec.Struct, deadline: float):
+        """One request/reply on the current socket; TierUnavailable on timeout or a dead socket."""
+        sock = self._sock
+        assert sock is not None
+        self._req_id += 1
+        rid = self._req_id
+        msg = P.encode_request(op, rid, body)
+        if len(msg) > P.MAX_MESSAGE_BYTES:
+            raise ValueError(f"{op} request of {len(msg)} bytes exceeds {P.MAX_MESSAGE_BYTES}; split it")
+        try:
+            if not self._wait(sock, zmq.POLLOUT, deadline):
+                raise TierUnavailable(f"cache server {self.address} is not reachable")
+            sock.send(msg, zmq.NOBLOCK)
+            while True:
+                if not self._wait(sock, zmq.POLLIN, deadline):
+                    raise TierUnavailable(f"cache server {self.address} did not answer {op} within "
+                                          f"{self.timeout_s} s")
+                raw = sock.recv(zmq.NOBLOCK)
+                try:
+                    rep = P.REPLY_DECODER.decode(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise TierUnavailable(f"cache server sent an unreadable reply: {exc}") from None
+                if rep.id != rid and rep.id != 0:
+                    continue  # a late reply to an earlier request that timed out
+                if not rep.ok:
+                    if rep.code == P.E_HELLO:  # reaped, or the server restarted under us
+                        self._disconnect(backoff=False)
+                        raise TierUnavailable(f"cache server {self.address} lost this client's "
+                                              f"session: {rep.error}")
+                    if rep.id == 0 and rep.code not in (P.E_MALFORMED, P.E_TOO_LARGE):
+                        continue
+                    raise ServerError(rep.code, rep.error)
+                try:
+                    return P.REP_DECODERS[op].decode(rep.body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise TierUnavailable(f"cache server sent a bad {op} reply: {exc}") from None
+        except TierUnavailable:
+            self._disconnect(backoff=True)
+            raise
+        except zmq.ZMQError as exc:
+            self._disconnect(backoff=True)
+            raise TierUnavailable(f"cache server {self.address}: {exc}") from None
+
+    @staticmethod
+    def _wait(sock: zmq.Socket, event: int, deadline: float) -> bool:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if sock.poll(int(left * 1000) + 1, event):
+                return True
+
+    def _call(self, op: str, body: msgspec.Struct, timeout_s: float | None = None):
+        if self._closed:
+            raise TierUnavailable("client is closed")
+        self._check_fork()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TierUnavailable(f"cache server client busy for {self.timeout_s} s")
+        try:
+            if self._sock is None or self._hello is None:
+                if time.monotonic() < self._down_until:
+                    raise TierUnavailable(f"cache server {self.address} unavailable (retrying in "
+                                          f"{self._down_until - time.monotonic():.1f} s)")
+                self._disconnect(backoff=False)
+                try:
+                    self._connect(deadline)
+                except TierUnavailable:
+                    self._disconnect(backoff=True)
+                    raise
+                except Exception:
+                    self._disconnect(backoff=True)
+                    raise
+                if op == "hello":
+                    return self._hello
+            return self._exchange(op, body, deadline)
+        finally:
+            self._lock.release()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self._hello.heartbeat_s if self._hello else 1.0):
+            if self._closed or os.getpid() != self._pid:
+                return
+            if self._sock is None or not self._lock.acquire(timeout=0):
+                continue  # disconnected (the next call reconnects) or a call is in flight
+            try:
+                if self._sock is not None and self._hello is not None:
+                    self._exchange("heartbeat", P.Empty(), time.monotonic() + self.timeout_s)
+            except Exception as exc:
+                logger.debug("vllm-kvplugin: heartbeat failed: %s", exc)
+            finally:
+                self._lock.release()
+
+    # ------------------------------------------------------------------ API
+    def hello(self) -> dict[str, Any]:
+        """Connect (if needed), check the protocol version, map the pool; the server's hello fields."""
+        rep = self._call("hello", P.HelloReq(self.client_name, os.getpid(), self.token))
+        if self._hello is not rep:  # already connected: the exchange above was a fresh hello
+            self._map_pool(rep)
+        return msgspec.structs.asdict(rep)
+
+    def _ensure(self) -> None:
+        if self._hello is None or self._mmap is None or os.getpid() != self._pid:
+            self.hello()
+
+    def pool_view(self) -> memoryview:
+        """The whole pool, read/write (hello first if needed).  Invalid after a server restart:
+        check :attr:`pool_generation`."""
+        self._ensure()
+        assert self._mmap is not None
+        return memoryview(self._mmap)
+
+    def pool_tensor(self):
+        """The pool as a 1-D ``torch.uint8`` tensor over the same memory (no copy); needs torch."""
+        import torch
+
+        self._ensure()
+        return torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    @property
+    def pool_generation(self) -> int:
+        """Bumped whenever the client connects to a new server instance (offsets/leases reset)."""
+        return self._generation
+
+    @property
+    def pool_size(self) -> int:
+        self._ensure()
+        assert self._mmap is not None
+        return len(self._mmap)
+
+    def lookup(self, keys: Sequence[bytes], groups: int = 1, ranks: int = 1,
+               world: int = 1) -> tuple[int, int]:
+        """(leading chunks whose every (group < groups, rank < ranks) object is present, lease id).
+
+        The hit is pinned under the lease until :meth:`release` or the server's lease time
+        after the last lookup/resolve on it; 0 hits -> lease 0 (nothing to release).
+        """
+        r = self.lookup_detail(keys, groups, ranks, world)
+        return r.hits, r.lease
+
+    def lookup_detail(self, keys: Sequence[bytes], groups: int = 1, ranks: int = 1, world: int = 1,
+                      wait_s: float | None = None) -> LookupResult:
+        if not keys:
+            return LookupResult(0, 0, 0, 0)
+        blob = _key_blob(keys)
+        if not (1 <= ranks <= world <= 0xFFFF and 1 <= groups <= 0xFFFF):
+            raise ValueError(f"bad lookup shape groups={groups} ranks={ranks} world={world}")
+        wait = self.lookup_wait_s if wait_s is None else wait_s
+        rep = self._call("lookup", P.LookupReq(blob, groups, ranks, world, int(wait * 1000)))
+        if not (0 <= rep.hits <= len(keys)) or (rep.hits > 0) != (rep.lease != 0):
+            raise ServerError(P.E_INTERNAL, f"impossible lookup reply: {rep.hits} hits of "
+                                            f"{len(keys)} keys, lease {rep.lease}")
+        return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted)
+
+    def resolve(self, lease_id: int, keys: Sequence[bytes], group: int, rank: int,
+                world: int) -> list[tuple[int, int]]:
+        """(offset, nbytes) of the (group, rank, world) object of each key, in key order.
+
+        Only objects pinned by ``lease_id``: any other key fails the whole call
+        (``ServerError('not_leased')``).  Also extends the lease.
+        """
+        if not keys:
+            return []
+        rep = self._call("resolve", P.ResolveReq(lease_id, _key_blob(keys), group, rank, world))
+        if len(rep.offsets) != len(keys) or len(rep.sizes) != len(keys):
+            raise ServerError(P.E_INTERNAL, f"resolve returned {len(rep.offsets)} objects for {len(keys)} keys")
+        size = len(self._mmap) if self._mmap is not None else 0
+        out = list(zip(rep.offsets, rep.sizes))
+        for off, n in out:
+            if off < 0 or n <= HEADER_SIZE or off + n > size:
+                raise ServerError(P.E_INTERNAL, f"resolve returned an object outside the pool ({off}+{n})")
+        return out
+
+    def release(self, lease_id: int) -> LeaseReport:
+        """Unpin a lease; the report says how many bytes it pinned and how many were resolved."""
+        if lease_id == 0:
+            return LeaseReport(False, 0, 0, 0, 0)
+        r = self._call("release", P.LeaseReq(lease_id))
+        return LeaseReport(r.found, r.pinned_objects, r.pinned_bytes, r.resolved_objects, r.resolved_bytes)
+
+    def reserve(self, items: Iterable[tuple[bytes, int]]) -> list[int | None]:
+        """Room for each (object_id, nbytes); an offset, or None (exists already, or no room)."""
+        items = list(items)
+        if not items:
+            return []
+        ids = b"".join(oid for oid, _ in items)
+        if len(ids) != P.OBJECT_ID_SIZE * len(items):
+            raise ValueError(f"object ids must be {P.OBJECT_ID_SIZE} bytes (use object_id())")
+        rep = self._call("reserve", P.ReserveReq(ids, [int(n) for _, n in items]))
+        if len(rep.offsets) != len(items):
+            raise ServerError(P.E_INTERNAL, "reserve reply has the wrong length")
+        return [o if o >= 0 else None for o in rep.offsets]
+
+    def commit(self, object_ids: Sequence[bytes]) -> list[bool]:
+        """Make reserved objects visible (their bytes must be written); False: not committed
+        (not reserved by this client any more, or its header does not name the object)."""
+        if not object_ids:
+            return []
+        rep = self._call("commit", P.IdsReq(_id_blob(object_ids)))
+        return [s == P.COMMIT_OK for s in rep.status]
+
+    def abort(self, object_ids: Sequence[bytes]) -> int:
+        """Give reservations back without committing; the number given back."""
+        if not object_ids:
+            return 0
+        return self._call("abort", P.IdsReq(_id_blob(object_ids))).aborted
+
+    def heartbeat(self) -> None:
+        self._call("heartbeat", P.Empty())
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._call("stats", P.Empty()).values)
+
+    # helpers for tests, tools and simple callers --------------------------------------
+    def write_object(self, offset: int, header: bytes, payload) -> None:
+        """Copy ``header`` and ``payload`` into the pool at a reserved ``offset``."""
+        view = self.pool_view()
+        if len(header) != HEADER_SIZE:
+            raise ValueError(f"header must be {HEADER_SIZE} bytes")
+        p = memoryview(payload).cast("B")
+        view[offset:offset + HEADER_SIZE] = header
+        view[offset + HEADER_SIZE:offset + HEADER_SIZE + p.nbytes] = p
+
+    def object_view(self, offset: int, nbytes: int) -> memoryview:
+        """The object's bytes in the pool (header first), no copy."""
+        return self.pool_view()[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self._closed = True
+        self._hb_stop.set()
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._disconnect(backoff=False)
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+
+    def __enter__(self) -> MPClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _key_blob(keys: Sequence[bytes]) -> bytes:
+    blob = b"".join(keys)
+    if len(blob) != P.KEY_SIZE * len(keys):
+        raise ValueError(f"chunk keys must be {P.KEY_SIZE} bytes each")
+    return blob
+
+
+def _id_blob(ids: Sequence[bytes]) -> bytes:
+    blob = b"".join(ids)
+    if len(blob) != P.OBJECT_ID_SIZE * len(ids):
+        raise ValueError(f"object ids must be {P.OBJECT_ID_SIZE} bytes each (use object_id())")
+    return blob
