@@ -42,7 +42,7 @@ import zmq
 
 from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
-from vllm_kvplugin.server.protocol import TierUnavailableHint, object_id  # noqa: F401
+from vllm_kvplugin.server.protocol import object_id
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,9 @@ class MPClient:
         s.connect(self.address.zmq)
         self._sock = s
         rep = self._exchange("hello", P.HelloReq(self.client_name, os.getpid(), self.token), deadline)
+        self._after_hello(rep)
+
+    def _after_hello(self, rep: P.HelloRep) -> None:
         if rep.protocol != P.PROTOCOL_VERSION or rep.header_size != HEADER_SIZE:
             self._disconnect(backoff=True)
             raise ServerError(P.E_VERSION, f"server speaks protocol {rep.protocol} with {rep.header_size}-byte "
@@ -169,7 +172,11 @@ class MPClient:
     def _map_pool(self, rep: P.HelloRep) -> None:
         if self._mmap is not None and self._pool_path == rep.pool_path and len(self._mmap) == rep.pool_size:
             return
-        fd = os.open(rep.pool_path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fd = os.open(rep.pool_path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise TierUnavailable(f"cannot map the server's pool {rep.pool_path}: {exc} "
+                                  "(the server must run on this machine, as this user)") from None
         try:
             st = os.fstat(fd)
             if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
@@ -261,7 +268,10 @@ class MPClient:
                     raise
                 if op == "hello":
                     return self._hello
-            return self._exchange(op, body, deadline)
+            rep = self._exchange(op, body, deadline)
+            if op == "hello":
+                self._after_hello(rep)
+            return rep
         finally:
             self._lock.release()
 
@@ -283,8 +293,6 @@ class MPClient:
     def hello(self) -> dict[str, Any]:
         """Connect (if needed), check the protocol version, map the pool; the server's hello fields."""
         rep = self._call("hello", P.HelloReq(self.client_name, os.getpid(), self.token))
-        if self._hello is not rep:  # already connected: the exchange above was a fresh hello
-            self._map_pool(rep)
         return msgspec.structs.asdict(rep)
 
     def _ensure(self) -> None:
