@@ -1,0 +1,198 @@
+"""Real server processes, real sockets and shared memory: store, lookup, resolve, read back."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import textwrap
+
+import pytest
+from srvutil import (
+    PY, keys_for, load_and_check, make_object, oids_for, payload_for, store, wait_for,
+)
+
+from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, pack_header, payload_checksum
+from vllm_kvplugin.server.protocol import object_id
+from vllm_kvplugin.tiers.mp_client import MPClient, ServerError
+
+pytestmark = pytest.mark.server
+
+NB = 256  # payload bytes per object (the layout does not matter to the server)
+
+
+def test_prefix_lengths_byte_identical(server):
+    """1..1,100 chunks incl. 127/128/129, 2 groups x 2 ranks: hit == stored prefix, never more."""
+    g, r, w = 2, 2, 2
+    with MPClient(server.address, client_name="t") as c:
+        for seed, n in enumerate([1, 2, 127, 128, 129, 1000, 1100]):
+            keys = keys_for(1000 + seed, n)
+            assert all(store(c, oids_for(keys, g, r, w), NB))
+            assert load_and_check(c, keys, g, r, w, NB)[0] == n
+            # a longer prompt: exactly the stored prefix hits, not one chunk more
+            longer = keys + keys_for(5000 + seed, 3)
+            assert load_and_check(c, longer, g, r, w, NB)[0] == n
+            # a shorter request (the client's `end`): never more than the keys sent
+            for k in {0, 1, n // 2, n - 1}:
+                hits, lease = c.lookup(keys[:k], g, r, w)
+                assert hits == k
+                c.release(lease)
+            # fewer ranks than stored is fine; a wider world is another object set: miss
+            assert c.lookup(keys, g, 1, w)[0] == n
+            assert c.lookup(keys, g, r, w + 1)[0] == 0
+            assert c.lookup(keys, g + 1, r, w)[0] == 0
+        st = c.stats()
+        assert st["leases"] <= 40  # only the un-released ones from the loop above
+        assert st["resolved_bytes"] > 0
+
+
+def test_partial_chunk_position_is_a_miss(server):
+    """A chunk counts only when every (group, rank) object is committed; the hit stops before it."""
+    g, r, w, n = 2, 4, 4, 300
+    keys = keys_for(7, n)
+    with MPClient(server.address) as c:
+        oids = oids_for(keys, g, r, w)
+        hole = object_id(keys[129], 1, 3, w)  # one object of chunk 129 missing
+        reserved = object_id(keys[200], 0, 2, w)  # one object of chunk 200 reserved, not committed
+        assert all(store(c, [o for o in oids if o not in (hole, reserved)], NB))
+        off = c.reserve([(reserved, HEADER_SIZE + NB)])[0]
+        assert off is not None
+        assert load_and_check(c, keys, g, r, w, NB)[0] == 129
+        assert c.lookup(keys[130:], g, r, w)[0] == 70
+        # resolve never hands out what the lease does not pin
+        hits, lease = c.lookup(keys, g, r, w)
+        with pytest.raises(ServerError) as ei:
+            c.resolve(lease, keys[:hits + 1], 0, 0, w)
+        assert ei.value.code == "not_leased"
+        with pytest.raises(ServerError):
+            c.resolve(lease, keys[:1], 0, 0, w + 1)
+        assert len(c.resolve(lease, keys[:hits], 1, 3, w)) == hits
+        rep = c.release(lease)
+        assert rep.found and rep.resolved_bytes < rep.pinned_bytes  # partially served: visible
+        assert not c.release(lease).found
+        with pytest.raises(ServerError) as ei:
+            c.resolve(lease, keys[:1], 0, 0, w)
+        assert ei.value.code == "unknown_lease"
+        # completing the chunk makes the whole prefix visible
+        assert all(store(c, [hole], NB))
+        assert c.lookup(keys, g, r, w)[0] == 200
+        assert c.abort([reserved]) == 1
+
+
+def test_reserve_commit_rules(server):
+    key = keys_for(9, 1)[0]
+    oid = object_id(key, 0, 0, 1)
+    with MPClient(server.address) as a, MPClient(server.address) as b:
+        off = a.reserve([(oid, HEADER_SIZE + NB)])[0]
+        assert off is not None and (off + HEADER_SIZE) % 256 == 0  # payload aligned
+        assert a.reserve([(oid, HEADER_SIZE + NB)]) == [None]  # reserved already
+        assert b.reserve([(oid, HEADER_SIZE + NB)]) == [None]
+        assert b.commit([oid]) == [False]  # not b's reservation
+        # a header that names another object is refused at commit
+        pl = payload_for(oid, NB)
+        wrong = pack_header(key=key, group=0, rank=0, world=2, payload_nbytes=NB,
+                            checksum=payload_checksum(pl))
+        a.write_object(off, wrong, pl)
+        assert a.commit([oid]) == [False]
+        assert a.lookup([key])[0] == 0
+        assert a.stats()["commit_bad_header"] == 1
+        # written right, it commits once; the second commit and a late abort do nothing
+        off = a.reserve([(oid, HEADER_SIZE + NB)])[0]
+        a.write_object(off, *make_object(oid, NB))
+        assert a.commit([oid]) == [True]
+        assert a.commit([oid]) == [False] and a.abort([oid]) == 0
+        assert a.reserve([(oid, HEADER_SIZE + NB)]) == [None]  # exists
+        assert load_and_check(b, [key], 1, 1, 1, NB)[0] == 1
+        with pytest.raises(ServerError) as ei:  # bad object (rank >= world) is a request error
+            a.reserve([(key + b"\0\0\3\0\2\0", 200)])
+        assert ei.value.code == "invalid"
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from srvutil import keys_for, oids_for, store
+    from vllm_kvplugin.tiers.mp_client import MPClient
+    c = MPClient({addr!r}, client_name="writer")
+    keys = keys_for(42, {n})
+    assert all(store(c, oids_for(keys, 1, 2, 2), {nb}))
+    c.close()
+    print("stored", len(keys))
+""")
+READER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from srvutil import keys_for, load_and_check
+    from vllm_kvplugin.tiers.mp_client import MPClient
+    c = MPClient({addr!r}, client_name="reader")
+    keys = keys_for(42, {n})
+    hits, _ = load_and_check(c, keys, 1, 2, 2, {nb})
+    print("hits", hits)
+""")
+
+
+def test_two_client_processes(server):
+    """One process stores, another (a different engine) looks up and reads the same bytes."""
+    here = os.path.dirname(__file__)
+    fmt = dict(here=here, addr=server.address, n=129, nb=4096)
+    w = subprocess.run([PY, "-c", WRITER.format(**fmt)], capture_output=True, text=True, timeout=120)
+    assert w.returncode == 0, w.stderr
+    r = subprocess.run([PY, "-c", READER.format(**fmt)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["hits", "129"]
+
+
+def test_default_start_private_dirs(server_factory, short_tmp):
+    """No flags: a Unix socket in a private 0700 directory; socket and pool 0600."""
+    env = dict(os.environ, XDG_RUNTIME_DIR=short_tmp)
+    s = server_factory(listen="", env=env)
+    assert s.address == f"unix://{short_tmp}/vllm-kvplugin/server.sock"
+    d = os.path.join(short_tmp, "vllm-kvplugin")
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    sock = os.path.join(d, "server.sock")
+    assert stat.S_ISSOCK(os.stat(sock).st_mode) and stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    with MPClient(s.address) as c:
+        pool = c.hello()["pool_path"]
+        assert pool.startswith("/dev/shm/") and stat.S_IMODE(os.stat(pool).st_mode) == 0o600
+        assert c.hello()["pool_size"] == 4 << 30
+    # a second server on the same address refuses to steal it
+    again = subprocess.run([PY, "-m", "vllm_kvplugin.server"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode != 0 and "another server" in again.stderr
+    assert s.stop() == 0
+    assert not os.path.exists(sock) and not os.path.exists(pool)
+
+
+def test_tcp_loopback_and_token(server_factory):
+    r = subprocess.run([PY, "-m", "vllm_kvplugin.server", "--listen", "tcp://0.0.0.0:0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--token" in r.stderr and "--listen" in r.stderr
+    s = server_factory("--l1-bytes", "16MiB", listen="tcp://127.0.0.1:0")
+    assert s.address.startswith("tcp://127.0.0.1:") and not s.address.endswith(":0")
+    with MPClient(s.address) as c:
+        assert c.lookup(keys_for(1, 3))[0] == 0
+    t = server_factory("--l1-bytes", "16MiB", "--token", "correct-horse", listen="tcp://0.0.0.0:0")
+    port = t.address.rsplit(":", 1)[1]
+    addr = f"tcp://127.0.0.1:{port}"
+    for token in (None, "wrong-token"):
+        with MPClient(addr, token=token) as c, pytest.raises(ServerError) as ei:
+            c.stats()
+        assert ei.value.code == "auth"
+    with MPClient(addr, token="correct-horse") as c:
+        assert c.stats()["clients"] == 1
+
+
+def test_pool_tensor_is_the_pool(server):
+    torch = pytest.importorskip("torch")
+    with MPClient(server.address) as c:
+        t = c.pool_tensor()
+        assert t.dtype == torch.uint8 and t.numel() == c.pool_size
+        key = keys_for(3, 1)[0]
+        oid = object_id(key, 0, 0, 1)
+        off = c.reserve([(oid, HEADER_SIZE + NB)])[0]
+        h, pl = make_object(oid, NB)
+        t[off:off + HEADER_SIZE] = torch.frombuffer(bytearray(h), dtype=torch.uint8)
+        t[off + HEADER_SIZE:off + HEADER_SIZE + NB] = torch.frombuffer(bytearray(pl), dtype=torch.uint8)
+        assert bytes(c.object_view(off, HEADER_SIZE + NB)) == h + pl
+        assert c.commit([oid]) == [True]
+        wait_for(lambda: c.stats()["objects"] == 1)
