@@ -220,7 +220,7 @@ def check_entry(entry: dict) -> str | None:
                 raise Missing(f"is a {type(attr).__name__}, not a method")
             want = entry.get("binding")
             if want and want != binding:
-                raise Missing(f"is a {binding} method, expected {want}")
+                raise Missing(f"has binding {binding!r}, expected {want!r}")
             _check_params(func, entry, skip_first=binding != "static")
             return None
         if kind == "property":
@@ -335,7 +335,9 @@ def _public_members(cls) -> dict[str, object]:
 def _kind(attr) -> str:
     if isinstance(attr, property):
         return "property"
-    return _callable_of(attr)[1] or type(attr).__name__
+    binding = _callable_of(attr)[1]
+    names = {"instance": "plain method", "class": "classmethod", "static": "staticmethod"}
+    return names.get(binding, type(attr).__name__)
 
 
 def compare_signatures(ours, base, name: str) -> list[str]:
@@ -343,7 +345,7 @@ def compare_signatures(ours, base, name: str) -> list[str]:
     problems = []
     op, okw = _params(ours)
     bp, bkw = _params(base)
-    if _kind(ours) != "static":
+    if _kind(ours) != "staticmethod":
         op, bp = op[1:], bp[1:]
     o_pos = [p for p in op if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     o_names = {p.name: p for p in op}
@@ -399,7 +401,8 @@ def test_overrides_match_vllm_base_classes():
                                 "base entry a versions range)")
                 continue
             if _kind(attr) != _kind(battr):
-                problems.append(f"{label}.{name} is a {_kind(attr)}, vLLM's is a {_kind(battr)}")
+                problems.append(f"{label}.{name} is a {_kind(attr)}, vLLM's is a {_kind(battr)} "
+                                f"(vLLM {version})")
                 continue
             if isinstance(attr, property):
                 continue

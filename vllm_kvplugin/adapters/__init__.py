@@ -85,3 +85,25 @@ def select(version: str | None = None) -> ModuleType:
     """The adapter module for ``version`` (default: the running vLLM)."""
     version = version or vllm_version()
     return importlib.import_module(entry_for(version).adapter)
+
+
+_TORCH_INSTALL_TEXT = {
+    "local-cpu": "`+cpu` build",
+    "pypi-cuda": "PyPI build (CUDA; runs on the CPU)",
+    "none": "none (Python files only)",
+}
+
+
+def matrix_markdown() -> str:
+    """The compat matrix (``compat/matrix.toml``) as the README's Markdown table."""
+    lines = [
+        "| vLLM | torch | wheel | torch install | adapter | lanes | in CI |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e in matrix():
+        lines.append(
+            f"| {e.version} | {e.torch} | `{e.wheel}` "
+            f"| {_TORCH_INSTALL_TEXT.get(e.torch_install, e.torch_install)} "
+            f"| `{e.adapter.rsplit('.', 1)[-1]}` | {', '.join(e.lanes)} "
+            f"| {'yes' if e.ci else 'no'} |")
+    return "\n".join(lines) + "\n"
