@@ -50,8 +50,16 @@ __all__ = ["MPClient", "TierUnavailable", "ServerError", "LookupResult", "LeaseR
            "HEADER_SIZE"]
 
 
+#: how long a call waits for the connection to the server before it gives up
+CONNECT_GRACE_S = 0.5
+
+
 class TierUnavailable(Exception):
     """The server cannot be reached in time (dead, hung, restarted, not started); recompute."""
+
+
+class _SessionLost(Exception):
+    pass
 
 
 class ServerError(Exception):
@@ -147,7 +155,13 @@ class MPClient:
         s.setsockopt(zmq.ROUTING_ID, os.urandom(12))
         s.connect(self.address.zmq)
         self._sock = s
-        rep = self._exchange("hello", P.HelloReq(self.client_name, os.getpid(), self.token), deadline)
+        self._connect_hello(deadline)
+
+    def _connect_hello(self, deadline: float) -> None:
+        try:
+            rep = self._exchange("hello", P.HelloReq(self.client_name, os.getpid(), self.token), deadline)
+        except _SessionLost as exc:  # hello never needs a session; a server that says so is broken
+            raise TierUnavailable(f"cache server refused hello: {exc}") from None
         self._after_hello(rep)
 
     def _after_hello(self, rep: P.HelloRep) -> None:
@@ -203,7 +217,9 @@ class MPClient:
         if len(msg) > P.MAX_MESSAGE_BYTES:
             raise ValueError(f"{op} request of {len(msg)} bytes exceeds {P.MAX_MESSAGE_BYTES}; split it")
         try:
-            if not self._wait(sock, zmq.POLLOUT, deadline):
+            # with IMMEDIATE set, a socket can take a message only once connected: a server
+            # that is not there fails the call after the connect grace, not the whole timeout
+            if not self._wait(sock, zmq.POLLOUT, min(deadline, time.monotonic() + CONNECT_GRACE_S)):
                 raise TierUnavailable(f"cache server {self.address} is not reachable")
             sock.send(msg, zmq.NOBLOCK)
             while True:
@@ -219,9 +235,7 @@ class MPClient:
                     continue  # a late reply to an earlier request that timed out
                 if not rep.ok:
                     if rep.code == P.E_HELLO:  # reaped, or the server restarted under us
-                        self._disconnect(backoff=False)
-                        raise TierUnavailable(f"cache server {self.address} lost this client's "
-                                              f"session: {rep.error}")
+                        raise _SessionLost(rep.error)
                     if rep.id == 0 and rep.code not in (P.E_MALFORMED, P.E_TOO_LARGE):
                         continue
                     raise ServerError(rep.code, rep.error)
@@ -268,7 +282,25 @@ class MPClient:
                     raise
                 if op == "hello":
                     return self._hello
-            rep = self._exchange(op, body, deadline)
+            try:
+                rep = self._exchange(op, body, deadline)
+            except _SessionLost:
+                # the server forgot us (reaped, or restarted and our socket reconnected): say
+                # hello again and retry once; whatever state the request names (a lease, a
+                # reservation) is checked by the server, so a retry cannot use a stale one
+                self._hello = None
+                try:
+                    self._connect_hello(deadline)
+                    rep = self._exchange(op, body, deadline)
+                except _SessionLost as exc:
+                    self._disconnect(backoff=True)
+                    raise TierUnavailable(f"cache server {self.address} keeps refusing this "
+                                          f"client's session: {exc}") from None
+                except TierUnavailable:
+                    raise
+                except Exception:
+                    self._disconnect(backoff=True)
+                    raise
             if op == "hello":
                 self._after_hello(rep)
             return rep
@@ -283,7 +315,11 @@ class MPClient:
                 continue  # disconnected (the next call reconnects) or a call is in flight
             try:
                 if self._sock is not None and self._hello is not None:
-                    self._exchange("heartbeat", P.Empty(), time.monotonic() + self.timeout_s)
+                    deadline = time.monotonic() + self.timeout_s
+                    try:
+                        self._exchange("heartbeat", P.Empty(), deadline)
+                    except _SessionLost:
+                        self._connect_hello(deadline)  # reaped or a restarted server: join again
             except Exception as exc:
                 logger.debug("vllm-kvplugin: heartbeat failed: %s", exc)
             finally:
