@@ -69,7 +69,7 @@ class Server:
         self.router.setsockopt(zmq.MAXMSGSIZE, P.HARD_MESSAGE_BYTES)
         self.router.setsockopt(zmq.SNDHWM, 10000)
         self.router.setsockopt(zmq.RCVHWM, 10000)
-        self.pool = SharedPool(cfg.shm_dir, cfg.l1_bytes)
+        self.pool = SharedPool(cfg.shm_dir, cfg.l1_bytes, cfg.prefault)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -85,7 +85,8 @@ class Server:
             server_version=_VERSION, protocol=P.PROTOCOL_VERSION, instance=self.instance,
             pool_path=self.pool.path, pool_size=self.pool.size, header_size=HEADER_SIZE,
             payload_align=P.PAYLOAD_ALIGN, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            reserve_s=cfg.reserve_s, max_message_bytes=P.MAX_MESSAGE_BYTES)
+            reserve_s=cfg.reserve_s, max_message_bytes=P.MAX_MESSAGE_BYTES,
+            prefaulted=cfg.prefault)
 
     def _bind(self) -> P.Address:
         a = self.cfg.listen

@@ -29,6 +29,7 @@ class ServerConfig:
     low_watermark: float = 0.85
     shm_dir: str = "/dev/shm"
     l2_readers: int = 2
+    prefault: bool = False
     log_level: str = "INFO"
 
     @property
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--low-watermark", type=float, default=0.85,
                    help="... down to this fraction (default 0.85)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the pool file is created (default /dev/shm)")
+    p.add_argument("--prefault", action="store_true",
+                   help="allocate the whole pool at start (no first-touch page faults; fails at start, "
+                        "not with SIGBUS later, when shared memory is short)")
     p.add_argument("--l2-readers", type=int, default=2, help="threads reading L2 files (default 2)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -132,5 +136,5 @@ def config_from_args(argv: list[str] | None) -> ServerConfig:
     return ServerConfig(listen=listen, l1_bytes=l1, l2_dir=l2_dir, l2_bytes=l2, token=token,
                         lease_s=a.lease_s, heartbeat_s=a.heartbeat_s, reserve_s=a.reserve_s,
                         quarantine_s=a.quarantine_s, high_watermark=a.high_watermark,
-                        low_watermark=a.low_watermark, shm_dir=a.shm_dir, l2_readers=a.l2_readers,
+                        low_watermark=a.low_watermark, shm_dir=a.shm_dir, l2_readers=a.l2_readers, prefault=a.prefault,
                         log_level=a.log_level)

@@ -99,7 +99,7 @@ class Allocator:
 class SharedPool:
     """The pool file, created by the server and mapped by it."""
 
-    def __init__(self, shm_dir: str, size: int):
+    def __init__(self, shm_dir: str, size: int, prefault: bool = False):
         size -= size % PAYLOAD_ALIGN
         self.size = size
         sweep_stale_pools(shm_dir)
@@ -115,6 +115,8 @@ class SharedPool:
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
+            if prefault:  # allocate every page now: no first-touch cost, no SIGBUS when shm fills
+                os.posix_fallocate(fd, 0, size)
             self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

@@ -115,6 +115,7 @@ class HelloRep(msgspec.Struct, frozen=True):
     lease_s: float
     reserve_s: float
     max_message_bytes: int
+    prefaulted: bool = False  # every pool page allocated: clients map with MAP_POPULATE
 
 
 class LookupReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

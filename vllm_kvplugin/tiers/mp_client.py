@@ -199,7 +199,12 @@ class MPClient:
             if st.st_size < rep.pool_size:
                 raise ServerError(P.E_INTERNAL, f"pool {rep.pool_path} has {st.st_size} bytes, "
                                                 f"server says {rep.pool_size}")
-            m = mmap.mmap(fd, rep.pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # page tables are per process and a first touch costs a fault per 4 KiB page:
+            # with a prefaulted pool, fill them all now (cheap) instead of on each first copy
+            flags = mmap.MAP_SHARED
+            if rep.prefaulted:
+                flags |= getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(fd, rep.pool_size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         if self._mmap is not None:
