@@ -196,3 +196,32 @@ def test_pool_tensor_is_the_pool(server):
         assert bytes(c.object_view(off, HEADER_SIZE + NB)) == h + pl
         assert c.commit([oid]) == [True]
         wait_for(lambda: c.stats()["objects"] == 1)
+
+
+def test_threads_share_one_client_and_prefaulted_pool(server_factory):
+    """Several threads on one client (one lock around the socket) plus its heartbeat thread."""
+    import threading
+
+    srv = server_factory("--l1-bytes", "64MiB", "--prefault", "--heartbeat-s", "0.05")
+    errors: list[BaseException] = []
+    with MPClient(srv.address, client_name="threads") as c:
+        assert c.hello()["prefaulted"] is True
+
+        def work(t: int) -> None:
+            try:
+                for rnd in range(5):
+                    keys = keys_for(10_000 + 100 * t + rnd, 20)
+                    assert all(store(c, oids_for(keys, 1, 2, 2), NB))
+                    assert load_and_check(c, keys, 1, 2, 2, NB)[0] == 20
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        st = c.stats()
+        assert st["objects"] == 4 * 5 * 20 * 2 and st["leases"] == 0 and st["clients"] == 1
+        wait_for(lambda: c.stats().get("op_heartbeat", 0) > 0)

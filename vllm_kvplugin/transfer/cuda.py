@@ -1,47 +1,344 @@
 """Transfers between a CUDA KV cache and page-locked host buffers.
 
-Placeholder until the staged DMA engine lands (issue 6): gathers on the device
-into a staging buffer and copies it to the host on the current stream,
-synchronously.  Correct, not fast.
+Two paths, chosen per call from the direction and the byte count (never
+switched in the middle of a call, never a fallback after a failure):
+
+* **staged** (copy engine): a gather kernel packs all C chunks into a device
+  staging buffer, then large async DMAs (one per chunk, or one per run of
+  chunks whose host buffers are adjacent) move staging -> host; loads do the
+  reverse (H2D DMAs, then a scatter kernel).  The chunks are split in groups
+  of 1, 1, 2, 4, ... so the first DMA starts after one chunk's gather and the
+  kernels overlap the DMAs of earlier groups.
+* **zero-copy**: one kernel reads/writes the page-locked host buffers
+  directly through their device mapping (unified addressing), with a capped
+  grid.  No staging and one launch: it wins for small transfers, where the
+  fixed costs of the staged path (several launches and DMA set-up) dominate.
+
+The thresholds below were measured on an H200 (PCIe gen5 host link), see
+``benchmarks/NOTES.md`` and ``benchmarks/results/gpu-xfer-h200.json``; the
+constructor takes others.
+
+Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
+
+* ``store`` records an event on the caller's (compute) stream; the side stream
+  waits on it before the gather reads the paged cache.  The gather's
+  completion event is kept until :meth:`fence`, which makes the compute stream
+  wait on it, so the next forward cannot overwrite a block before the gather
+  read it.  A ``load`` issued before the fence also waits on it (its scatter
+  may target a reused block).  The ticket is the event after the last DMA.
+* ``load`` makes the compute stream wait on the "scatter done" event before
+  returning: attention issued afterwards reads the loaded bytes.  No host sync.
+* A staging buffer is reused only after the DMA/kernel that last used it is
+  done (device-side waits); a host buffer that a pending load still reads is
+  not overwritten by a later store's DMA before that read.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from vllm_kvplugin import ops
 from vllm_kvplugin.layout.descriptor import KVLayout
 
+logger = logging.getLogger(__name__)
+
+#: at or below this many bytes a store uses the zero-copy kernel (measured)
+STORE_ZERO_COPY_MAX_BYTES = 2 << 20
+#: at or below this many bytes a load uses the zero-copy kernel (measured)
+LOAD_ZERO_COPY_MAX_BYTES = 2 << 20
+#: grid cap of the zero-copy kernel: it runs at link speed, it need not hold every SM
+ZERO_COPY_MAX_CTAS = 64
+#: pipelining: at most this many gather/scatter launches per call
+MAX_GROUPS = 8
+
+
+@dataclass
+class _Staging:
+    tensor: torch.Tensor  # uint8, flat
+    busy: torch.cuda.Event | None = None  # completes when its last user is done
+    last_use: int = 0
+
+
+class StoreTicket:
+    """Completes when the chunk bytes are in the host buffers."""
+
+    __slots__ = ("event", "nbytes", "path")
+
+    def __init__(self, event: torch.cuda.Event, nbytes: int, path: str):
+        self.event = event
+        self.nbytes = nbytes
+        self.path = path
+
+
+def _groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]:
+    """[0, n) in pieces of 1, 1, 2, 4, ... (at most ``max_groups``, the last takes the rest)."""
+    bounds = [0]
+    while bounds[-1] < n and len(bounds) <= max_groups:
+        k = len(bounds) - 1
+        bounds.append(min(n, bounds[-1] + (1 if k == 0 else 1 << (k - 1))))
+    bounds[-1] = n
+    return list(zip(bounds, bounds[1:]))
+
+
+def _runs(bufs: Sequence[torch.Tensor], a: int, b: int) -> list[tuple[int, int, torch.Tensor]]:
+    """Maximal runs of adjacent host buffers in ``bufs[a:b]`` as (start, end, one view)."""
+    out: list[tuple[int, int, torch.Tensor]] = []
+    i = a
+    while i < b:
+        first = bufs[i]
+        j = i + 1
+        nbytes = first.nbytes
+        storage = first.untyped_storage().data_ptr()
+        while (j < b and bufs[j].untyped_storage().data_ptr() == storage
+               and bufs[j].data_ptr() == first.data_ptr() + (j - i) * nbytes):
+            j += 1
+        if j - i == 1:
+            view = first
+        else:
+            view = torch.empty(0, dtype=first.dtype).set_(
+                first.untyped_storage(), first.storage_offset(), (j - i, *first.shape[1:]))
+        out.append((i, j, view))
+        i = j
+    return out
+
 
 class CudaTransfer:
-    name = "cuda-sync"
+    """Staged-DMA / zero-copy transfer engine for a KV cache on one CUDA device."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device | str | int, *,
+                 store_zero_copy_max_bytes: int = STORE_ZERO_COPY_MAX_BYTES,
+                 load_zero_copy_max_bytes: int = LOAD_ZERO_COPY_MAX_BYTES,
+                 zero_copy_max_ctas: int = ZERO_COPY_MAX_CTAS,
+                 max_staging_buffers: int = 4,
+                 staging_cap_bytes: int = 4 << 30):
+        device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        info = ops.load()
+        # The choice of implementation happens here, once.
+        self.kernel = info.cuda == "CUDA kernel" and hasattr(torch.ops.kvplugin, "gather_multi")
+        if self.kernel:
+            self.name = "cuda"
+            self.store_zc_max = store_zero_copy_max_bytes
+            self.load_zc_max = load_zero_copy_max_bytes
+        else:
+            self.name = "cuda-torch"
+            self.store_zc_max = self.load_zc_max = -1  # the torch path has no zero-copy
+            logger.warning("vllm-kvplugin: CUDA gather/scatter kernel not built (%s); the GPU "
+                           "transfer path uses the pure-torch ops (correct, slower)", info.describe())
+        self.zc_max_ctas = zero_copy_max_ctas
+        self.max_staging_buffers = max(1, max_staging_buffers)
+        self.staging_cap_bytes = staging_cap_bytes
+        with torch.cuda.device(device):
+            self._kern = torch.cuda.Stream(device)  # gather / scatter kernels
+            self._d2h = torch.cuda.Stream(device)  # staging -> host DMAs
+            self._h2d = torch.cuda.Stream(device)  # host -> staging DMAs
+        self._pool: list[_Staging] = []
+        self._uses = 0
+        self._pending_gathers: list[torch.cuda.Event] = []
+        self._host_reads: dict[int, torch.cuda.Event] = {}
 
+    def __del__(self):
+        # staging buffers may still be read or written by queued copies: let the
+        # caching allocator wait for those streams before it reuses the memory
+        try:
+            for e in self._pool:
+                self._drop(e.tensor)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ helpers
+    def _check(self, layout: KVLayout, slots: torch.Tensor, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+        if slots.dim() != 2 or slots.shape[0] != len(bufs):
+            raise ValueError(f"slots must be [C={len(bufs)}, T], got {tuple(slots.shape)}")
+        shape = (1, *layout.chunk_shape(slots.shape[1]))
+        for i, b in enumerate(bufs):
+            if tuple(b.shape) != shape or b.dtype != layout.dtype or not b.is_contiguous():
+                raise ValueError(f"host buffer {i} is {b.dtype} {tuple(b.shape)}, expected contiguous "
+                                 f"{layout.dtype} {shape}")
+            if b.device.type != "cpu" or not b.is_pinned():
+                raise ValueError(f"host buffer {i} must be a page-locked CPU tensor")
+        if slots.device.type != "cpu":
+            slots = slots.cpu()  # synchronizes; the worker passes host slots
+        slots = slots.to(torch.int64).contiguous()
+        # every slot is checked before the first copy is issued (the ops check again)
+        limit = layout.num_blocks * layout.block_size
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < -1 or hi >= limit:
+                raise RuntimeError(
+                    f"vllm-kvplugin transfer: slot {lo if lo < -1 else hi} is outside the cache "
+                    f"({layout.num_blocks} blocks of {layout.block_size} tokens)")
+        return slots
+
+    def _acquire(self, nbytes: int) -> _Staging:
+        """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``."""
+        self._uses += 1
+        free = [e for e in self._pool
+                if e.tensor.numel() >= nbytes and (e.busy is None or e.busy.query())]
+        if free:
+            e = min(free, key=lambda e: e.tensor.numel())
+        else:
+            total = sum(e.tensor.numel() for e in self._pool)
+            if not self._pool or (len(self._pool) < self.max_staging_buffers
+                                  and total + nbytes <= self.staging_cap_bytes):
+                e = _Staging(self._alloc(nbytes))
+                self._pool.append(e)
+            else:  # reuse the least recently used one (device-side wait), growing it if needed
+                e = min(self._pool, key=lambda e: e.last_use)
+                if e.tensor.numel() < nbytes:
+                    self._drop(e.tensor)
+                    e.tensor = self._alloc(nbytes)
+        e.last_use = self._uses
+        return e
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // (2 << 20)) * (2 << 20)  # 2 MiB granules
+        with torch.cuda.stream(self._kern):
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def _drop(self, t: torch.Tensor) -> None:
+        for s in (self._kern, self._d2h, self._h2d):
+            t.record_stream(s)
+
+    def _wait_host_reads(self, stream: torch.cuda.Stream, bufs: Sequence[torch.Tensor]) -> None:
+        if not self._host_reads:
+            return
+        for b in bufs:
+            ev = self._host_reads.get(b.data_ptr())
+            if ev is not None:
+                stream.wait_event(ev)
+
+    def _note_host_reads(self, bufs: Sequence[torch.Tensor], ev: torch.cuda.Event) -> None:
+        if len(self._host_reads) > 4096:
+            self._host_reads = {p: e for p, e in self._host_reads.items() if not e.query()}
+        for b in bufs:
+            self._host_reads[b.data_ptr()] = ev
+
+    def _gather(self, layout: KVLayout, layers, slots: torch.Tensor, outs: list[torch.Tensor],
+                max_ctas: int) -> None:
+        if self.kernel:
+            torch.ops.kvplugin.gather_multi(list(layers), slots, list(layout.strides), layout.block_size,
+                                            layout.kernel_block_size, layout.num_blocks, outs, max_ctas)
+        else:
+            (out,) = outs
+            ops.gather(layers, slots.to(self.device), layout.strides, layout.block_size,
+                       layout.kernel_block_size, layout.num_blocks, out)
+
+    def _scatter(self, layout: KVLayout, layers, slots: torch.Tensor, srcs: list[torch.Tensor],
+                 max_ctas: int) -> None:
+        if self.kernel:
+            torch.ops.kvplugin.scatter_multi(list(layers), slots, list(layout.strides), layout.block_size,
+                                             layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
+        else:
+            (src,) = srcs
+            ops.scatter(layers, slots.to(self.device), layout.strides, layout.block_size,
+                        layout.kernel_block_size, layout.num_blocks, src)
+
+    def _note_gather(self, ev: torch.cuda.Event) -> None:
+        if len(self._pending_gathers) > 64:
+            self._pending_gathers = [e for e in self._pending_gathers if not e.query()]
+        self._pending_gathers.append(ev)
+
+    @staticmethod
+    def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    # ------------------------------------------------------------------- stores
     def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
-              bufs: Sequence[torch.Tensor]) -> None:
-        staging = torch.empty((len(bufs), *layout.chunk_shape(slots.shape[1])), dtype=layout.dtype,
-                              device=self.device)
-        ops.gather(layers, slots.to(self.device), layout.strides, layout.block_size,
-                   layout.kernel_block_size, layout.num_blocks, staging)
-        for c, buf in enumerate(bufs):
-            buf.copy_(staging[c:c + 1])
-        return None
+              bufs: Sequence[torch.Tensor]) -> StoreTicket | None:
+        if not bufs:
+            return None
+        slots = self._check(layout, slots, bufs)
+        C, T = slots.shape
+        chunk_bytes = layout.chunk_nbytes(T)
+        nbytes = C * chunk_bytes
+        with torch.cuda.device(self.device):
+            ready = self._event(torch.cuda.current_stream(self.device))
+            self._kern.wait_event(ready)
+            if nbytes <= self.store_zc_max:
+                with torch.cuda.stream(self._kern):
+                    self._wait_host_reads(self._kern, bufs)
+                    self._gather(layout, layers, slots, list(bufs), self.zc_max_ctas)
+                    done = self._event(self._kern)
+                self._note_gather(done)
+                return StoreTicket(done, nbytes, "zero-copy")
+            staging = self._acquire(nbytes)
+            if staging.busy is not None:
+                self._kern.wait_event(staging.busy)
+            stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
+            gathered = None
+            for a, b in _groups(C):
+                with torch.cuda.stream(self._kern):
+                    self._gather(layout, layers, slots[a:b], [stage[a:b]], 0)
+                    gathered = self._event(self._kern)
+                self._d2h.wait_event(gathered)
+                with torch.cuda.stream(self._d2h):
+                    self._wait_host_reads(self._d2h, bufs[a:b])
+                    for i, j, host in _runs(bufs, a, b):
+                        host.copy_(stage[i:j], non_blocking=True)
+            assert gathered is not None
+            self._note_gather(gathered)
+            done = self._event(self._d2h)
+            staging.busy = done
+            return StoreTicket(done, nbytes, "staged")
 
-    def done(self, ticket: None) -> bool:
-        return True
+    def done(self, ticket: StoreTicket | None) -> bool:
+        return ticket is None or ticket.event.query()
 
-    def wait(self, ticket: None) -> None:
-        return None
+    def wait(self, ticket: StoreTicket | None) -> None:
+        if ticket is not None:
+            ticket.event.synchronize()
 
     def fence(self) -> None:
-        return None
+        """The compute stream waits until every issued store has read its blocks."""
+        if not self._pending_gathers:
+            return
+        with torch.cuda.device(self.device):
+            compute = torch.cuda.current_stream(self.device)
+            for ev in self._pending_gathers:
+                compute.wait_event(ev)
+        self._pending_gathers = []
 
+    # -------------------------------------------------------------------- loads
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor]) -> None:
-        staging = torch.cat([b.to(self.device) for b in bufs])
-        ops.scatter(layers, slots.to(self.device), layout.strides, layout.block_size,
-                    layout.kernel_block_size, layout.num_blocks, staging)
+        if not bufs:
+            return
+        slots = self._check(layout, slots, bufs)
+        C, T = slots.shape
+        nbytes = C * layout.chunk_nbytes(T)
+        with torch.cuda.device(self.device):
+            compute = torch.cuda.current_stream(self.device)
+            self._kern.wait_event(self._event(compute))
+            for ev in self._pending_gathers:  # a pending store may still read a reused block
+                self._kern.wait_event(ev)
+            if nbytes <= self.load_zc_max:
+                with torch.cuda.stream(self._kern):
+                    self._scatter(layout, layers, slots, list(bufs), self.zc_max_ctas)
+                    done = self._event(self._kern)
+                self._note_host_reads(bufs, done)
+            else:
+                staging = self._acquire(nbytes)
+                if staging.busy is not None:
+                    self._h2d.wait_event(staging.busy)
+                stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
+                for a, b in _groups(C):
+                    with torch.cuda.stream(self._h2d):
+                        for i, j, host in _runs(bufs, a, b):
+                            stage[i:j].copy_(host, non_blocking=True)
+                        copied = self._event(self._h2d)
+                    self._note_host_reads(bufs[a:b], copied)
+                    self._kern.wait_event(copied)
+                    with torch.cuda.stream(self._kern):
+                        self._scatter(layout, layers, slots[a:b], [stage[a:b]], 0)
+                done = self._event(self._kern)
+                staging.busy = done
+            compute.wait_event(done)

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny local models (built once, cached; no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in-process: hooks see them
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def qwen3_model() -> str:
+    from vllm_kvplugin import tiny_model
+
+    return str(tiny_model.build(tiny_model.QWEN3))
+
+
+@pytest.fixture(scope="session")
+def llama_model() -> str:
+    from vllm_kvplugin import tiny_model
+
+    return str(tiny_model.build(tiny_model.LLAMA))

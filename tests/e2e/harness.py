@@ -1,0 +1,125 @@
+"""Real vLLM engines on the CPU, in-process, with the seeds' proof of loads.
+
+* :func:`engine` builds an ``LLM`` (eager, prefix caching off) with or
+  without the plugin's connector; :func:`shutdown` frees it so the next engine
+  can start in the same process.
+* :class:`Probe` hooks the connector *classes* (the engine runs in this
+  process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it records the worker
+  half, overwrites every KV block with noise on demand, and overwrites the
+  target tokens of every load with noise (through the independent layout
+  reference) right before the load, so a claimed load that wrote nothing
+  cannot produce the right output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    num_cached_tokens: int
+
+
+def prompt(length: int, seed: int, vocab: int = 4000) -> list[int]:
+    """Random token ids: far from the repetitive prompts that mask bugs."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(length)]
+
+
+def engine(model: str, block_size: int, connector: dict | None, max_model_len: int = 20_000,
+           kv_bytes: int = 256 << 20, **kw):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if connector is not None:
+        ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
+                               kv_connector_extra_config=connector)
+    return LLM(model=model, enable_prefix_caching=False, max_model_len=max_model_len,
+               enforce_eager=True, kv_cache_memory_bytes=kv_bytes, block_size=block_size,
+               kv_transfer_config=ktc, seed=0, **kw)
+
+
+def shutdown(llm) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def generate(llm, prompts: Sequence[list[int]], max_tokens: int = 12) -> list[Result]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [Result(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+
+
+class Probe:
+    """Class-level hooks on the connector's worker half (in-process engines only)."""
+
+    def __init__(self):
+        self.worker = None
+        self.poison_loads = True
+        self.skip_loads = False  # negative control: claim the hit, write nothing
+        self.loads: list[tuple[str, int]] = []  # (request id, tokens poisoned)
+        self._undo: list = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Probe]:
+        from vllm_kvplugin.connector import worker as wmod
+
+        probe = self
+        orig_register, orig_load = wmod.WorkerSide.register, wmod.WorkerSide.start_load
+
+        def register(ws, kv_caches):
+            orig_register(ws, kv_caches)
+            probe.worker = ws
+
+        def start_load(ws, meta):
+            for req in meta.loads:
+                n = probe._poison_targets(ws, req.jobs) if probe.poison_loads else 0
+                probe.loads.append((req.req_id, n))
+            if probe.skip_loads:
+                return
+            orig_load(ws, meta)
+
+        wmod.WorkerSide.register, wmod.WorkerSide.start_load = register, start_load
+        try:
+            yield self
+        finally:
+            wmod.WorkerSide.register, wmod.WorkerSide.start_load = orig_register, orig_load
+
+    @staticmethod
+    def _poison_targets(ws, jobs) -> int:
+        from vllm_kvplugin.layout.reference import reference_scatter
+
+        gen = torch.Generator().manual_seed(len(jobs))
+        n = 0
+        for layout, layers in zip(ws.layouts, ws.layers):
+            slots = ws._slots(layout, jobs)
+            noise = torch.randn((slots.shape[0], *layout.chunk_shape(slots.shape[1])), generator=gen)
+            reference_scatter(layout, layers, slots, noise.to(layout.dtype))
+            n = int((slots >= 0).sum())
+        return n
+
+    def poison_all_blocks(self, seed: int = 0) -> None:
+        """Overwrite every KV block of every layer with finite noise."""
+        gen = torch.Generator().manual_seed(seed)
+        for layers in self.worker.layers:
+            for t in layers:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))

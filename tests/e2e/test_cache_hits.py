@@ -1,0 +1,166 @@
+"""The seeds' method on real vLLM engines: a cache hit is byte-identical to a recompute.
+
+Prefix caching off; the same prompt twice, greedy; every KV block overwritten
+with noise between the two requests, and the load's target tokens overwritten
+with noise right before the load; outputs compared with the cold run and with
+an engine without the connector; the hit proven by vLLM's own
+``num_cached_tokens`` and by ``vllm_kvplugin.stats()`` (tokens and bytes equal
+to the plan); a never-seen prompt afterwards still matches its cold output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+import vllm_kvplugin
+from vllm_kvplugin import counters
+from vllm_kvplugin.planner import max_loadable_tokens
+
+from harness import Probe, engine, generate, prompt, shutdown
+
+pytestmark = pytest.mark.engine
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str  # fixture name
+    block: int
+    chunk: int
+    long_chunks: int = 0  # an extra prompt of this many chunks (exact multiple, and +1)
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-block{self.block}-chunk{self.chunk}"
+
+    def lengths(self) -> list[int]:
+        c = self.chunk
+        out = [c // 2, c - 1, c, c + 1, 3 * c - 1, 3 * c, 3 * c + 1]
+        if self.long_chunks:
+            out += [self.long_chunks * c, self.long_chunks * c + 1]
+        return out
+
+
+CONFIGS = [
+    Config("qwen3_model", 32, 32, long_chunks=128),
+    Config("qwen3_model", 32, 128),
+    Config("qwen3_model", 128, 128, long_chunks=128),
+    Config("qwen3_model", 128, 256),
+    Config("llama_model", 32, 64, long_chunks=130),
+    Config("llama_model", 128, 128),
+]
+
+
+def _baseline(model: str, block: int, batches: list[list[list[int]]]) -> list[list[int]]:
+    """Outputs of an engine without the connector, batch by batch as the test sends them
+    (batching changes the prefill schedule, hence bf16 rounding)."""
+    llm = engine(model, block, None)
+    try:
+        return [r.token_ids for batch in batches for r in generate(llm, batch)]
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
+def test_hit_is_identical_to_recompute(cfg: Config, request):
+    model = request.getfixturevalue(cfg.model)
+    lengths = cfg.lengths()
+    prompts = [prompt(n, seed=n) for n in lengths]
+    unseen = prompt(3 * cfg.chunk + 7, seed=999_999)
+    want = _baseline(model, cfg.block, [[p] for p in prompts] + [[unseen]])
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(model, cfg.block, {"chunk_size": cfg.chunk, "cpu_bytes": 1 << 30})
+        try:
+            bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
+            problems = []
+            for n, p, expect in zip(lengths, prompts, want):
+                cold = generate(llm, [p])[0]
+                probe.poison_all_blocks(seed=n)
+                before = vllm_kvplugin.stats()
+                loads_before = len(probe.loads)
+                warm = generate(llm, [p])[0]
+                after = vllm_kvplugin.stats()
+                hit = max_loadable_tokens(n, cfg.chunk)
+                got = {
+                    "cold": cold.token_ids == expect and cold.num_cached_tokens == 0,
+                    "warm": warm.token_ids == expect,
+                    "num_cached_tokens": warm.num_cached_tokens == hit,
+                    "loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"] == hit,
+                    "loaded_bytes": after["loaded_bytes"] - before["loaded_bytes"] == hit * bpt,
+                    "poisoned": [t for _, t in probe.loads[loads_before:]] == ([hit] if hit else []),
+                }
+                if not all(got.values()):
+                    problems.append((n, {k: v for k, v in got.items() if not v}, warm.num_cached_tokens, hit))
+            assert not problems, f"{cfg.id}: (length, failed checks, num_cached_tokens, planned) {problems}"
+            assert generate(llm, [unseen])[0].token_ids == want[-1], "a never-seen prompt after the hits"
+            assert vllm_kvplugin.stats()["load_failures"] == {}
+        finally:
+            shutdown(llm)
+
+
+def test_skipped_load_is_caught(qwen3_model):
+    """Negative control: claiming the hit without writing the blocks changes the output."""
+    p = prompt(700, seed=1)
+    want = _baseline(qwen3_model, 32, [[p]])[0]
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": 64})
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            probe.poison_all_blocks()
+            probe.skip_loads = True
+            warm = generate(llm, [p])[0]
+            assert warm.num_cached_tokens == 640  # the hit was claimed ...
+            assert warm.token_ids != want  # ... and the poisoned blocks show
+        finally:
+            shutdown(llm)
+
+
+def test_shared_prefix_in_one_batch(qwen3_model):
+    """Several requests with a common prefix, scheduled together: correct, stored once, all hit."""
+    chunk = 64
+    prefix = prompt(4 * chunk, seed=5)
+    cold = [prefix + prompt(40 + 30 * i, seed=10 + i) for i in range(3)]
+    warm = [prefix + prompt(90, seed=20 + i) for i in range(2)]
+    want = _baseline(qwen3_model, 32, [cold, warm])
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": chunk})
+        try:
+            got = generate(llm, cold)
+            assert [r.token_ids for r in got] == want[:3]
+            s = vllm_kvplugin.stats()
+            # the 4 prefix chunks once, plus each request's own full chunks (suffixes 40/70/100 tokens)
+            assert s["stored_tokens"] == (4 + 0 + 1 + 1) * chunk
+            probe.poison_all_blocks()
+            got = generate(llm, warm)
+            assert [r.token_ids for r in got] == want[3:]
+            assert [r.num_cached_tokens for r in got] == [4 * chunk, 4 * chunk]  # the shared prefix
+            assert vllm_kvplugin.stats()["loaded_tokens"] == 2 * 4 * chunk
+        finally:
+            shutdown(llm)
+
+
+def test_eviction_under_budget_keeps_serving_correctly(qwen3_model):
+    """A budget of a few chunks: LRU eviction, counters, and still identical outputs."""
+    chunk = 64
+    prompts = [prompt(6 * chunk + 5, seed=40 + i) for i in range(4)]
+    want = _baseline(qwen3_model, 32, [[p] for p in prompts])
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        bytes_per_chunk = 2048 * chunk  # tiny Qwen3: 4 layers x K,V x 2 heads x 64 x bf16
+        llm = engine(qwen3_model, 32, {"chunk_size": chunk, "cpu_bytes": 8 * bytes_per_chunk})
+        try:
+            assert probe.worker.pool.num_slots == 8
+            for p, w in zip(prompts, want):
+                assert generate(llm, [p])[0].token_ids == w
+            s = vllm_kvplugin.stats()
+            assert s["evicted_bytes"] >= (4 * 6 - 8) * bytes_per_chunk
+            probe.poison_all_blocks()
+            last = generate(llm, [prompts[-1]])[0]  # the most recent prompt is still cached
+            assert last.token_ids == want[-1] and last.num_cached_tokens == 6 * chunk
+            first = generate(llm, [prompts[0]])[0]  # the oldest was evicted: recomputed
+            assert first.token_ids == want[0] and first.num_cached_tokens == 0
+        finally:
+            shutdown(llm)

@@ -1,0 +1,325 @@
+"""The CUDA transfer engine: round trips checked against the reference, and device ordering.
+
+Both paths (staged copy-engine DMAs and zero-copy kernels) are forced in turn
+through the engine's thresholds, and the default (size-based) choice is run
+too.  Host buffers are page-locked slots of a pool, not contiguous with each
+other (with one adjacent pair, which the engine may copy in one DMA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kvplugin.layout.build import build_layout
+from vllm_kvplugin.layout.reference import _index, reference_gather, reference_scatter, token_view
+from vllm_kvplugin.transfer import engine_for
+from vllm_kvplugin.transfer.cuda import CudaTransfer
+
+import _kvcases as K
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODES = {
+    "staged": dict(store_zero_copy_max_bytes=-1, load_zero_copy_max_bytes=-1),
+    "zero-copy": dict(store_zero_copy_max_bytes=1 << 62, load_zero_copy_max_bytes=1 << 62),
+    "default": {},
+}
+# about 20 ms of GPU time on an H200 (1.98 GHz): long enough for a missing wait to show
+SLEEP_CYCLES = 40_000_000
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+def _engine(mode: str) -> CudaTransfer:
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()), **MODES[mode])
+    if mode != "default" and not eng.kernel:
+        if mode == "zero-copy":
+            pytest.skip("zero-copy needs the CUDA kernel")
+    return eng
+
+
+def _layout(name: str, gen, **kw):
+    builders = {
+        "v026-nhd": lambda: K.v026_attention(layout="NHD", L=4, num_blocks=64, block_size=16,
+                                             H=4, D=64, dtype=torch.bfloat16, device="cuda"),
+        "v032-LBHNC-kernel-split": lambda: K.v032(layout="LBHNC", L=4, num_blocks=32,
+                                                  block_size=64, kernel_block_size=16, H=4, D=64,
+                                                  dtype=torch.bfloat16, device="cuda"),
+        "split-kv-first": lambda: K.split(kv_first=True, L=4, num_blocks=64, block_size=16, H=4,
+                                          D=64, dtype=torch.float16, device="cuda"),
+        "v032-mla": lambda: K.v032(layout="LBNHC", spec_kind="mla", backend="FLASHMLA", L=3,
+                                   num_blocks=64, block_size=16, H=1, D=576,
+                                   dtype=torch.bfloat16, device="cuda"),
+        "v032-BLNHC-fp8": lambda: K.v032(layout="BLNHC", L=4, num_blocks=64, block_size=16, H=4,
+                                         D=64, dtype=torch.float8_e4m3fn, device="cuda"),
+    }
+    case = builders[name]()
+    for r in case.raws:
+        K.random_bytes_(r, gen)
+    layout, layers = build_layout(case.src, case.views)
+    return case, layout, layers
+
+
+def _slots(layout, C, T, gen, blocks=None):
+    bs = layout.block_size
+    nblk = -(-C * T // bs)
+    if blocks is None:
+        blocks = torch.randperm(layout.num_blocks, generator=gen)[:nblk]
+    flat = (blocks.repeat_interleave(bs) * bs + torch.arange(nblk * bs) % bs)[: C * T].clone()
+    flat[:2] = -1
+    flat[-3:] = -1
+    return flat.view(C, T).to(torch.int64)
+
+
+def _host_bufs(layout, C, T, gen, order=None):
+    shape = layout.chunk_shape(T)
+    pool = torch.empty((2 * C + 2, *shape), dtype=layout.dtype, pin_memory=True)
+    K.random_bytes_(pool, gen)
+    order = order or ([2 * C + 1, 0, 1] + [3 + 2 * i for i in range(C)])[:C]
+    return pool, [pool[i:i + 1] for i in order]
+
+
+def _ref_views(layers, dtype):
+    return [t.view(torch.uint8) for t in layers] if dtype.itemsize == 1 else list(layers)
+
+
+def _ref_chunk(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _dev_index(layout, slots):
+    """The reference's indices, on the device, so "compute" below never syncs the host."""
+    return tuple(x.cuda() for x in _index(slots, layout.block_size, layout.kernel_block_size))
+
+
+def _dev_scatter(layout, layers, idx, src):
+    """reference_scatter with precomputed device indices: enqueued, no host sync."""
+    c, t, kb, n = idx
+    for li, layer in enumerate(layers):
+        view = token_view(layout.semantics, layer, layout.head_dim, layout.kernel_block_size)
+        view[kb, n] = src[c, li, :, t]
+
+
+def _dev_gather(layout, layers, idx, out):
+    c, t, kb, n = idx
+    for li, layer in enumerate(layers):
+        view = token_view(layout.semantics, layer, layout.head_dim, layout.kernel_block_size)
+        out[c, li, :, t] = view[kb, n]
+
+
+def _reference_chunks(layout, layers, slots, bufs):
+    """What the host buffers must hold after a store: the reference gather over their old bytes."""
+    ref = torch.cat([b for b in bufs]).cuda()
+    reference_gather(layout, _ref_views(layers, layout.dtype), slots, _ref_chunk(ref))
+    return ref.cpu()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["v026-nhd", "v032-LBHNC-kernel-split", "split-kv-first",
+                                  "v032-mla", "v032-BLNHC-fp8"])
+def test_store_then_load_matches_reference(name, mode):
+    gen = torch.Generator().manual_seed(len(name) * 31 + len(mode))
+    eng = _engine(mode)
+    case, layout, layers = _layout(name, gen)
+    C, T = 5, 64
+    slots = _slots(layout, C, T, gen)
+    _, bufs = _host_bufs(layout, C, T, gen)
+    want = _reference_chunks(layout, layers, slots, bufs)
+    ticket = eng.store(layout, layers, slots, bufs)
+    eng.fence()
+    eng.wait(ticket)
+    assert eng.done(ticket)
+    got = torch.cat(bufs)
+    assert torch.equal(_bits(got), _bits(want)), f"{name} {mode}: stored bytes differ from the reference"
+
+    # load into a poisoned cache: every target written, everything else untouched
+    for r in case.raws:
+        K.random_bytes_(r, gen)
+    new = torch.empty((C, *layout.chunk_shape(T)), dtype=layout.dtype)
+    K.random_bytes_(new, gen)
+    for c, b in enumerate(bufs):
+        b.copy_(new[c:c + 1])
+    expect_raws = [r.clone() for r in case.raws]
+    _, expect_layers = build_layout(case.src, case.make_views(expect_raws))
+    reference_scatter(layout, _ref_views(expect_layers, layout.dtype), slots, _ref_chunk(new.cuda()))
+    eng.load(layout, layers, slots, bufs)
+    torch.cuda.current_stream().synchronize()  # the load is ordered on the compute stream
+    assert all(torch.equal(a, b) for a, b in zip(case.raws, expect_raws)), \
+        f"{name} {mode}: loaded cache differs from the reference"
+
+    # and back out again: where slots >= 0 the stored bytes are the loaded ones, elsewhere
+    # the host buffers keep their bytes
+    _, bufs2 = _host_bufs(layout, C, T, gen)
+    poison2 = torch.cat(bufs2).clone()
+    t2 = eng.store(layout, layers, slots, bufs2)
+    eng.wait(t2)
+    keep = (slots >= 0).view(C, 1, 1, T, 1, 1)
+    assert torch.equal(_bits(torch.cat(bufs2)), torch.where(keep, _bits(new), _bits(poison2)))
+
+
+@pytest.mark.parametrize("mode", ["staged", "zero-copy"])
+def test_store_reads_blocks_after_the_forward_and_before_the_overwrite(mode):
+    """A kernel on the compute stream writes the blocks (after a long sleep), the store is
+    issued right after, the next step (after fence) overwrites the blocks: the stored bytes
+    are the pre-overwrite ones."""
+    gen = torch.Generator().manual_seed(21)
+    eng = _engine(mode)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 4, 64
+    slots = _slots(layout, C, T, gen)
+    _, bufs = _host_bufs(layout, C, T, gen)
+    truth = K.random_bytes_(torch.empty((C, *layout.chunk_shape(T)), dtype=layout.dtype,
+                                        device="cuda"), gen)
+    other = K.random_bytes_(torch.empty_like(truth), gen)
+    poison = torch.cat(bufs).cuda()
+    idx = _dev_index(layout, slots)
+    torch.cuda.synchronize()
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the "forward" is still running when the store is issued
+    _dev_scatter(layout, layers, idx, truth)  # ... and writes the blocks at its end
+    ticket = eng.store(layout, layers, slots, bufs)
+    eng.fence()
+    _dev_scatter(layout, layers, idx, other)  # next step reuses the blocks
+    eng.wait(ticket)
+    compute.synchronize()
+    want = torch.where((slots >= 0).cuda().view(C, 1, 1, T, 1, 1), truth, poison)
+    assert torch.equal(_bits(torch.cat(bufs).cuda()), _bits(want))
+
+
+@pytest.mark.parametrize("mode", ["staged", "zero-copy"])
+def test_load_is_ordered_before_attention(mode):
+    """Attention issued on the compute stream right after load() reads the loaded bytes,
+    and the load's writes come after earlier compute work on those blocks."""
+    gen = torch.Generator().manual_seed(22)
+    eng = _engine(mode)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 6, 64
+    slots = _slots(layout, C, T, gen)
+    _, bufs = _host_bufs(layout, C, T, gen)
+    before = K.random_bytes_(torch.empty((C, *layout.chunk_shape(T)), dtype=layout.dtype,
+                                         device="cuda"), gen)
+    idx = _dev_index(layout, slots)
+    seen = before.clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    _dev_scatter(layout, layers, idx, before)  # earlier compute writing those blocks
+    eng.load(layout, layers, slots, bufs)
+    _dev_gather(layout, layers, idx, seen)  # "attention" reading the blocks
+    torch.cuda.synchronize()
+    want = torch.where((slots >= 0).cuda().view(C, 1, 1, T, 1, 1), torch.cat(bufs).cuda(), before)
+    assert torch.equal(_bits(seen), _bits(want))
+
+
+@pytest.mark.parametrize("mode", ["staged", "zero-copy"])
+def test_load_into_blocks_a_pending_store_still_reads(mode):
+    """store(X) then load(X <- other bytes) with no fence between: the store gets the old bytes."""
+    gen = torch.Generator().manual_seed(23)
+    eng = _engine(mode)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 3, 64
+    slots = _slots(layout, C, T, gen)
+    _, out_bufs = _host_bufs(layout, C, T, gen)
+    _, in_bufs = _host_bufs(layout, C, T, gen)
+    truth = K.random_bytes_(torch.empty((C, *layout.chunk_shape(T)), dtype=layout.dtype,
+                                        device="cuda"), gen)
+    poison = torch.cat(out_bufs).cuda()
+    incoming = torch.cat(in_bufs).cuda()
+    idx = _dev_index(layout, slots)
+    seen = incoming.clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    _dev_scatter(layout, layers, idx, truth)
+    ticket = eng.store(layout, layers, slots, out_bufs)
+    eng.load(layout, layers, slots, in_bufs)
+    _dev_gather(layout, layers, idx, seen)
+    eng.wait(ticket)
+    torch.cuda.synchronize()
+    keep = (slots >= 0).cuda().view(C, 1, 1, T, 1, 1)
+    assert torch.equal(_bits(torch.cat(out_bufs).cuda()), _bits(torch.where(keep, truth, poison)))
+    assert torch.equal(_bits(seen), _bits(incoming))
+
+
+@pytest.mark.parametrize("mode", ["staged", "zero-copy"])
+def test_store_into_host_buffers_a_pending_load_still_reads(mode):
+    gen = torch.Generator().manual_seed(24)
+    eng = _engine(mode)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 3, 64
+    slots_in = _slots(layout, C, T, gen, blocks=torch.arange(0, 12))
+    slots_out = _slots(layout, C, T, gen, blocks=torch.arange(20, 32))
+    _, bufs = _host_bufs(layout, C, T, gen)
+    incoming = torch.cat(bufs).cuda()
+    want_out = _reference_chunks(layout, layers, slots_out, bufs)
+    idx_in = _dev_index(layout, slots_in)
+    seen = incoming.clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # delays the load (it waits for the compute stream)
+    eng.load(layout, layers, slots_in, bufs)
+    ticket = eng.store(layout, layers, slots_out, bufs)  # same host buffers, right away
+    _dev_gather(layout, layers, idx_in, seen)
+    eng.wait(ticket)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(seen), _bits(incoming)), "the load read host bytes a later store wrote"
+    # want_out was computed before the load: blocks 20.. are untouched by it
+    assert torch.equal(_bits(torch.cat(bufs)), _bits(want_out))
+
+
+@pytest.mark.parametrize("mode", ["staged", "default"])
+def test_back_to_back_stores_reuse_staging_safely(mode):
+    gen = torch.Generator().manual_seed(25)
+    eng = _engine(mode)
+    eng.max_staging_buffers = 2  # force reuse of busy staging buffers
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 4, 64
+    jobs = []
+    for _ in range(6):
+        slots = _slots(layout, C, T, gen)
+        _, bufs = _host_bufs(layout, C, T, gen)
+        want = _reference_chunks(layout, layers, slots, bufs)
+        jobs.append((eng.store(layout, layers, slots, bufs), bufs, want))
+    eng.fence()
+    for ticket, bufs, want in jobs:
+        eng.wait(ticket)
+        assert torch.equal(_bits(torch.cat(bufs)), _bits(want))
+    assert len(eng._pool) <= 2
+
+
+def test_out_of_range_slot_raises_before_anything_moves():
+    gen = torch.Generator().manual_seed(26)
+    eng = _engine("staged")
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 2, 64
+    slots = _slots(layout, C, T, gen)
+    slots[1, 7] = layout.num_blocks * layout.block_size
+    _, bufs = _host_bufs(layout, C, T, gen)
+    before = torch.cat(bufs).clone()
+    raws = [r.clone() for r in case.raws]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        eng.store(layout, layers, slots, bufs)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        eng.load(layout, layers, slots, bufs)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(torch.cat(bufs)), _bits(before))
+    assert all(torch.equal(a, b) for a, b in zip(case.raws, raws))
+
+
+def test_refuses_pageable_host_buffers():
+    gen = torch.Generator().manual_seed(27)
+    eng = _engine("default")
+    case, layout, layers = _layout("v026-nhd", gen)
+    slots = _slots(layout, 1, 64, gen)
+    with pytest.raises(ValueError, match="page-locked"):
+        eng.store(layout, layers, slots, [torch.empty((1, *layout.chunk_shape(64)), dtype=layout.dtype)])
+
+
+def test_engine_for_cuda_device():
+    eng = engine_for(torch.device("cuda", 0))
+    assert isinstance(eng, CudaTransfer)
+    assert eng.name in ("cuda", "cuda-torch")
+    assert eng.done(None)

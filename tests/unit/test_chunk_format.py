@@ -1,0 +1,84 @@
+"""The chunk header: packing, every mismatch reason, checksum, truncation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_kvplugin.chunk.format import (
+    HEADER_SIZE, ChunkError, ChunkExpect, ChunkHeader, check_chunk, payload_checksum,
+)
+
+EXPECT = ChunkExpect(fingerprint=b"F" * 16, key=b"K" * 16, kind=1, dtype=torch.bfloat16,
+                     shape=(4, 2, 32, 2, 64), token_start=64, token_end=96, tp_size=2, tp_rank=1,
+                     group_index=0)
+
+
+def _payload(seed=0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(EXPECT.shape, generator=g).to(EXPECT.dtype)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def test_round_trip():
+    payload = _payload()
+    assert len(payload) == EXPECT.payload_nbytes
+    header = ChunkHeader.for_payload(EXPECT, payload)
+    raw = header.pack()
+    assert len(raw) == HEADER_SIZE
+    assert ChunkHeader.unpack(raw) == header
+    assert check_chunk(raw, payload, EXPECT) == header
+
+
+@pytest.mark.parametrize("field,value", [
+    ("fingerprint", b"G" * 16), ("key", b"J" * 16), ("kind", 2), ("dtype", torch.float16),
+    ("shape", (4, 2, 32, 2, 128)), ("token_start", 0), ("tp_rank", 0), ("tp_size", 4), ("group_index", 1),
+])
+def test_every_field_mismatch_is_a_header_mismatch(field, value):
+    payload = _payload()
+    raw = ChunkHeader.for_payload(EXPECT, payload).pack()
+    other = dataclasses.replace(EXPECT, **{field: value})
+    with pytest.raises(ChunkError) as e:
+        check_chunk(raw, payload, other)
+    assert e.value.reason in ("header_mismatch", "short_read")
+
+
+def test_flipped_payload_byte_is_a_checksum_error():
+    payload = bytearray(_payload())
+    raw = ChunkHeader.for_payload(EXPECT, bytes(payload)).pack()
+    payload[12345] ^= 0x10
+    with pytest.raises(ChunkError) as e:
+        check_chunk(raw, bytes(payload), EXPECT)
+    assert e.value.reason == "checksum"
+    # verification can be turned off (then the header still must match)
+    check_chunk(raw, bytes(payload), EXPECT, verify_checksum=False)
+
+
+def test_truncated_payload_and_header_are_short_reads():
+    payload = _payload()
+    raw = ChunkHeader.for_payload(EXPECT, payload).pack()
+    with pytest.raises(ChunkError) as e:
+        check_chunk(raw, payload[:-1], EXPECT)
+    assert e.value.reason == "short_read"
+    with pytest.raises(ChunkError) as e:
+        ChunkHeader.unpack(raw[:-3])
+    assert e.value.reason == "short_read"
+
+
+@pytest.mark.parametrize("offset,reason", [(0, "bad_magic"), (4, "version"), (40, "header_checksum")])
+def test_corrupt_header_bytes(offset, reason):
+    raw = bytearray(ChunkHeader.for_payload(EXPECT, _payload()).pack())
+    raw[offset] ^= 0xFF
+    with pytest.raises(ChunkError) as e:
+        ChunkHeader.unpack(bytes(raw))
+    assert e.value.reason == reason
+
+
+def test_checksum_is_xxh3_of_payload():
+    import xxhash
+
+    p = _payload(3)
+    assert payload_checksum(p) == xxhash.xxh3_64_intdigest(p)
+    assert payload_checksum(memoryview(p)) == payload_checksum(p)

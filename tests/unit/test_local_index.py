@@ -1,0 +1,66 @@
+"""The local tier's scheduler-side index: dedup, pins, pending stores, LRU."""
+
+from __future__ import annotations
+
+from vllm_kvplugin.tiers.local_cpu import LocalIndex, SlotState
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_pending_is_invisible_until_committed():
+    idx = LocalIndex(4, 100)
+    slot, evicted = idx.allocate(k(0))
+    assert evicted == 0 and idx.prefix_hits([k(0)]) == 0
+    assert idx.allocate(k(0)) is None  # stored once
+    idx.commit(slot, ok=True)
+    assert idx.prefix_hits([k(0), k(1)]) == 1
+
+
+def test_failed_store_frees_slot():
+    idx = LocalIndex(1, 100)
+    slot, _ = idx.allocate(k(0))
+    idx.commit(slot, ok=False)
+    assert idx.state(slot) is SlotState.FREE and not idx.contains(k(0))
+    assert idx.allocate(k(1)) is not None
+
+
+def test_lru_evicts_unpinned_tail_first():
+    idx = LocalIndex(3, 100)
+    slots = [idx.allocate(k(i))[0] for i in range(3)]
+    for s in slots:
+        idx.commit(s, ok=True)
+    idx.touch([k(0), k(1), k(2)])  # a prefix: chunk 0 most recent, chunk 2 the oldest
+    pinned = idx.pin([k(2)])
+    got = idx.allocate(k(9))
+    assert got is not None and got[1] == 100
+    assert idx.contains(k(2)) and not idx.contains(k(1))  # pinned 2 survived; 1 evicted
+    idx.unpin(pinned[0])
+
+
+def test_full_and_all_pinned_refuses():
+    idx = LocalIndex(1, 100)
+    s, _ = idx.allocate(k(0))
+    idx.commit(s, True)
+    idx.pin([k(0)])
+    assert idx.allocate(k(1)) is None
+
+
+def test_drop_while_pinned_frees_after_unpin():
+    idx = LocalIndex(2, 100)
+    s, _ = idx.allocate(k(0))
+    idx.commit(s, True)
+    idx.pin([k(0)])
+    idx.drop(s)
+    assert idx.prefix_hits([k(0)]) == 0 and idx.state(s) is not SlotState.FREE
+    idx.unpin(s)
+    assert idx.state(s) is SlotState.FREE
+
+
+def test_prefix_hits_stop_at_first_gap():
+    idx = LocalIndex(4, 100)
+    for i in (0, 1, 3):
+        s, _ = idx.allocate(k(i))
+        idx.commit(s, True)
+    assert idx.prefix_hits([k(0), k(1), k(2), k(3)]) == 2
