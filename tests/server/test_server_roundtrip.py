@@ -67,6 +67,10 @@ def test_partial_chunk_position_is_a_miss(server):
         with pytest.raises(ServerError):
             c.resolve(lease, keys[:1], 0, 0, w + 1)
         assert len(c.resolve(lease, keys[:hits], 1, 3, w)) == hits
+        # any sub-run or any order of the pinned keys resolves to the same objects
+        full = dict(zip(keys[:hits], c.resolve(lease, keys[:hits], 1, 2, w)))
+        for sub in (keys[40:90], keys[128:129], [keys[5], keys[2], keys[5], keys[128]]):
+            assert c.resolve(lease, sub, 1, 2, w) == [full[k] for k in sub]
         rep = c.release(lease)
         assert rep.found and rep.resolved_bytes < rep.pinned_bytes  # partially served: visible
         assert not c.release(lease).found

@@ -35,7 +35,8 @@ from vllm_kvplugin.server.config import ServerConfig
 from vllm_kvplugin.server.l2 import Job, L2Dir, L2Workers
 from vllm_kvplugin.server.pool import OBJECT_SHIFT, Allocator, block_size_for
 from vllm_kvplugin.server.protocol import (
-    COMMIT_BAD_HEADER, COMMIT_NOT_RESERVED, COMMIT_OK, E_INVALID, E_NOT_LEASED, E_UNKNOWN_LEASE,
+    COMMIT_BAD_HEADER, COMMIT_NOT_RESERVED, COMMIT_OK, E_INTERNAL, E_INVALID, E_NOT_LEASED,
+    E_UNKNOWN_LEASE,
     KEY_SIZE, OBJECT_ID_SIZE, RESERVE_EXISTS, RESERVE_NO_ROOM, LookupRep, ReleaseRep, oid_suffix,
     split_object_id,
 )
@@ -93,12 +94,13 @@ class Lease:
     world: int
     groups: int
     ranks: int
-    pinned: list                      # Obj, one entry per pin taken (prefix order)
-    objs: dict                        # oid -> Obj (what resolve may return)
+    key_blob: bytes                   # the keys of the hit, in prefix order
+    pinned: list                      # Obj per (position, group, rank): pinned[p * groups*ranks + g*ranks + r]
     deadline: float
     pinned_bytes: int = 0
     resolved_objects: int = 0
     resolved_bytes: int = 0
+    key_index: dict | None = None     # key -> first position, built on a non-contiguous resolve
 
 
 @dataclass(eq=False)
@@ -112,7 +114,8 @@ class PendingLookup:
     world: int
     groups: int
     ranks: int
-    positions: list                   # list[list[Obj]], every object pinned once
+    keys: bytes
+    flat: list                        # Obj per (position, group, rank), each pinned once
     waiting: set                      # oids still PROMOTING
     deadline: float
     promoted: int = 0
@@ -254,11 +257,6 @@ class Store:
             self.alloc.free(e.block, e.bsize)
             e.block, e.bsize = -1, 0
 
-    def _pin(self, e: Obj) -> None:
-        e.pins += 1
-        if e.pins == 1:
-            self.lru.pop(e.oid, None)
-
     def _unpin(self, e: Obj) -> None:
         e.pins -= 1
         assert e.pins >= 0
@@ -266,8 +264,7 @@ class Store:
             if e.doomed:
                 self._maybe_free(e)
             elif e.state == READY and self.objs.get(e.oid) is e:
-                self.lru[e.oid] = e
-                self.lru.move_to_end(e.oid)
+                self.lru[e.oid] = e  # not in the LRU while pinned: this appends (most recent)
 
     def evict_to_watermark(self) -> None:
         cap = self.alloc.capacity
@@ -318,86 +315,87 @@ class Store:
         if ranks > world:
             raise RequestError(E_INVALID, f"ranks {ranks} > world {world}")
         self.stats["lookups"] += 1
-        n = len(keys) // KEY_SIZE
-        self.stats["lookup_chunks"] += n
+        self.stats["lookup_chunks"] += len(keys) // KEY_SIZE
         suffixes = [oid_suffix(g, r, world) for g in range(groups) for r in range(ranks)]
-        objs = self.objs
-        positions: list[list[Obj]] = []
-        for i in range(n):
-            key = keys[i * KEY_SIZE:(i + 1) * KEY_SIZE]
-            row = []
-            for sfx in suffixes:
-                e = objs.get(key + sfx)
+        per = len(suffixes)
+        get = self.objs.get
+        flat: list[Obj] = []
+        promote = False
+        for i in range(0, len(keys), KEY_SIZE):
+            key = keys[i:i + KEY_SIZE]
+            row = [get(key + sfx) for sfx in suffixes]
+            for e in row:
                 if e is None or e.state == RESERVED or e.doomed:
                     break
-                row.append(e)
+                if e.state != READY:
+                    promote = True
             else:
-                positions.append(row)
+                flat += row
                 continue
             break
-        # pin first (so that making room below cannot evict what this lookup found), then
-        # bring L2-only objects into L1, in prefix order; the hit ends at the first without room
-        for row in positions:
-            for e in row:
-                self._pin(e)
-        started: list[Obj] = []
-        cut = len(positions)
-        if self.l2 is not None:
-            for ri, row in enumerate(positions):
-                for e in row:
-                    if e.state != L2ONLY:
-                        continue
-                    bsize = block_size_for(e.nbytes)
-                    off = self._alloc(bsize)
-                    if off is None:
-                        cut = ri
-                        break
-                    e.block, e.bsize, e.state = off, bsize, PROMOTING
-                    started.append(e)
-                if cut != len(positions):
-                    break
-        for row in reversed(positions[cut:]):
-            for e in row:
-                self._unpin(e)
-        del positions[cut:]
-        waiting = {e.oid for row in positions for e in row if e.state == PROMOTING}
-        p = PendingLookup(ident, req_id, reply_frames, s, world, groups, ranks, positions, waiting,
+        # pin first (so that making room below cannot evict what this lookup found)
+        lru_pop = self.lru.pop
+        for e in flat:
+            e.pins += 1
+            if e.pins == 1:
+                lru_pop(e.oid, None)
+        p = PendingLookup(ident, req_id, reply_frames, s, world, groups, ranks, keys, flat, set(),
                           now + wait_s)
+        if not promote:
+            return self._make_lease(p, now, all_ready=True)
+        # bring L2-only objects into L1, in prefix order; the hit ends at the first without room
+        started: list[Obj] = []
+        cut = len(flat)
+        for j, e in enumerate(flat):
+            if e.state != L2ONLY:
+                continue
+            bsize = block_size_for(e.nbytes)
+            off = self._alloc(bsize)
+            if off is None:
+                cut = j - j % per
+                break
+            e.block, e.bsize, e.state = off, bsize, PROMOTING
+            started.append(e)
+        for e in reversed(flat[cut:]):
+            self._unpin(e)
+        del flat[cut:]
+        p.waiting = {e.oid for e in flat if e.state == PROMOTING}
         for e in started:
             assert self.workers is not None
             self.workers.reads.put(Job("read", e.oid, e.offset, e.nbytes, e))
             self.stats["l2_reads_started"] += 1
-        if not waiting:
+        if not p.waiting:
             return self._make_lease(p, now)
         self.pending.append(p)
         return p
 
-    def _make_lease(self, p: PendingLookup, now: float) -> LookupRep:
-        hits = 0
-        for row in p.positions:
-            if all(e.state == READY and not e.doomed for e in row):
-                hits += 1
-            else:
-                break
-        # unpin what is not part of the hit, tail first
-        for row in reversed(p.positions[hits:]):
-            for e in row:
+    def _make_lease(self, p: PendingLookup, now: float, all_ready: bool = False) -> LookupRep:
+        per = p.groups * p.ranks
+        flat = p.flat
+        if all_ready:
+            hits = len(flat) // per
+        else:
+            bad = next((j for j, e in enumerate(flat) if e.state != READY or e.doomed), len(flat))
+            hits = bad // per
+            for e in reversed(flat[hits * per:]):  # not part of the hit: unpin, tail first
                 self._unpin(e)
+            del flat[hits * per:]
         self.stats["lookup_hit_chunks"] += hits
         if hits == 0:
             return LookupRep(0, 0, 0, p.promoted)
         lid = secrets.randbits(63) or 1
         while lid in self.leases:
             lid = secrets.randbits(63) or 1
-        pinned = [e for row in p.positions[:hits] for e in row]
-        lease = Lease(lid, p.session, p.world, p.groups, p.ranks, pinned,
-                      {e.oid: e for e in pinned}, now + self.cfg.lease_s,
-                      pinned_bytes=sum(e.nbytes for e in pinned))
+        nbytes = 0
+        for e in flat:
+            nbytes += e.nbytes
+        lease = Lease(lid, p.session, p.world, p.groups, p.ranks, p.keys[:hits * KEY_SIZE], flat,
+                      now + self.cfg.lease_s, pinned_bytes=nbytes)
         self.leases[lid] = lease
         p.session.leases.add(lid)
         self.stats["leases_created"] += 1
-        self.stats["lookup_hit_objects"] += len(pinned)
-        return LookupRep(hits, lid, lease.pinned_bytes, p.promoted)
+        self.stats["lookup_hit_objects"] += len(flat)
+        return LookupRep(hits, lid, nbytes, p.promoted)
 
     def _finish_pending(self, p: PendingLookup) -> LookupRep:
         self.pending.remove(p)
@@ -488,24 +486,50 @@ class Store:
                                                 "from an earlier server)")
         if len(keys) % KEY_SIZE:
             raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
-        sfx = oid_suffix(group, rank, world) if rank < world else b""
+        if world != lease.world or group >= lease.groups or rank >= lease.ranks:
+            self.stats["resolve_not_leased"] += 1
+            raise RequestError(E_NOT_LEASED, f"lease {lid} pins groups < {lease.groups}, ranks < "
+                                             f"{lease.ranks} of world {lease.world}; asked for group "
+                                             f"{group} rank {rank} of world {world}")
+        n = len(keys) // KEY_SIZE
+        per = lease.groups * lease.ranks
+        col = group * lease.ranks + rank
+        blob = lease.key_blob
+        start = blob.find(keys) if n else 0
+        while start > 0 and start % KEY_SIZE:  # only whole-key alignments count
+            start = blob.find(keys, start + 1)
+        if start >= 0:  # a contiguous run of the hit (the usual case): positions by arithmetic
+            first = start // KEY_SIZE
+            positions = range(first, first + n)
+        else:
+            if lease.key_index is None:
+                lease.key_index = {}
+                for j in range(len(blob) // KEY_SIZE - 1, -1, -1):
+                    lease.key_index[blob[j * KEY_SIZE:(j + 1) * KEY_SIZE]] = j
+            positions = []
+            for i in range(n):
+                j = lease.key_index.get(keys[i * KEY_SIZE:(i + 1) * KEY_SIZE])
+                if j is None:
+                    self.stats["resolve_not_leased"] += 1
+                    raise RequestError(E_NOT_LEASED, f"key #{i} ({keys[i * KEY_SIZE:(i + 1) * KEY_SIZE].hex()}) "
+                                                     f"is not pinned by lease {lid}")
+                positions.append(j)
+        sfx = oid_suffix(group, rank, world)
         offsets, sizes = [], []
-        for i in range(0, len(keys), KEY_SIZE):
-            e = lease.objs.get(keys[i:i + KEY_SIZE] + sfx) if sfx else None
-            if e is None:
-                self.stats["resolve_not_leased"] += 1
-                raise RequestError(E_NOT_LEASED, f"key #{i // KEY_SIZE} ({keys[i:i + KEY_SIZE].hex()}) "
-                                                 f"group {group} rank {rank}/{world} is not pinned by "
-                                                 f"lease {lid}")
+        pinned = lease.pinned
+        for i, j in enumerate(positions):
+            e = pinned[j * per + col]
+            if e.oid != keys[i * KEY_SIZE:(i + 1) * KEY_SIZE] + sfx:  # cannot happen: fail closed
+                raise RequestError(E_INTERNAL, f"lease {lid} position {j} holds {e.oid.hex()}")
             offsets.append(e.offset)
             sizes.append(e.nbytes)
-        n = sum(sizes)
+        total = sum(sizes)
         lease.resolved_objects += len(sizes)
-        lease.resolved_bytes += n
+        lease.resolved_bytes += total
         lease.deadline = now + self.cfg.lease_s
         self.stats["resolves"] += 1
         self.stats["resolved_objects"] += len(sizes)
-        self.stats["resolved_bytes"] += n
+        self.stats["resolved_bytes"] += total
         return offsets, sizes
 
     def release(self, lid: int, expired: bool = False) -> ReleaseRep:
@@ -513,8 +537,14 @@ class Store:
         if lease is None:
             return ReleaseRep(False)
         lease.owner.leases.discard(lid)
-        for e in reversed(lease.pinned):
-            self._unpin(e)
+        lru, objs = self.lru, self.objs
+        for e in reversed(lease.pinned):  # tail first: the prefix's head becomes the most recent
+            e.pins -= 1
+            if e.pins == 0:
+                if e.doomed:
+                    self._maybe_free(e)
+                elif e.state == READY and objs.get(e.oid) is e:
+                    lru[e.oid] = e
         self.stats["leases_expired" if expired else "leases_released"] += 1
         self.stats["lease_pinned_bytes"] += lease.pinned_bytes
         self.stats["lease_resolved_bytes"] += lease.resolved_bytes
