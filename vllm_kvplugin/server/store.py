@@ -221,7 +221,7 @@ class Store:
                     e.wstate = W_NONE
             if claimed:
                 err = self.workers.write_now(Job("write", e.oid, e.offset, e.nbytes, e))
-                self._write_done(e, err, sync=True)
+                self._write_done(e, err)
                 if e.doomed or self.objs.get(e.oid) is not e:
                     return  # the write found it corrupt and dropped it
         self.stats["l1_evictions"] += 1
@@ -295,7 +295,7 @@ class Store:
         self._reclaim_reservations(s, list(s.reserved))
         self.stats[f"clients_{reason}"] += 1
 
-    def _reclaim_reservations(self, s: Session, oids: list[bytes], now: float | None = None) -> None:
+    def _reclaim_reservations(self, s: Session, oids: list[bytes]) -> None:
         for oid in oids:
             s.reserved.discard(oid)
             e = self.objs.get(oid)
@@ -428,7 +428,7 @@ class Store:
             else:
                 self._read_done(e, job.error)
 
-    def _write_done(self, e: Obj, err: str | None, sync: bool = False) -> None:
+    def _write_done(self, e: Obj, err: str | None) -> None:
         if err is None:
             self.stats["l2_writes"] += 1
             self.stats["l2_write_bytes"] += e.nbytes
