@@ -5,16 +5,16 @@
 Starts ``python -m vllm_kvplugin.server`` as a subprocess (Unix socket in a temp
 dir), then from one client process:
 
-* put: reserve N objects, copy each payload into the pool (numpy copy from a
+* put (steady state, ``--prefault`` pool that wraps around several times, the
+  client maps it with MAP_POPULATE): reserve N objects, copy each payload into the pool (numpy copy from a
   private buffer), commit.  get: lookup + resolve + copy each object out of the
   pool into a private buffer, release.  GB/s = payload bytes / wall time of
   the whole sequence (control round trips included), median over rounds.
-  ``memcpy`` is the same numpy copy between two private buffers: the ceiling
-  of this machine.  Two pool modes: ``prefaulted``
-  (``--prefault``: pages allocated by the server, mapped with MAP_POPULATE by
-  the client; the steady state, and what page-locking for a GPU does anyway)
-  and ``lazy`` (the default: every page is faulted in on its first touch by
-  each process).
+  ``memcpy_gbps_same_size`` is the same numpy copy between two private
+  buffers of the object's size: the ceiling of this machine.
+* first touch: the same on a fresh lazy pool (the default): every 4 KiB page
+  is faulted in on its first touch by each process (page-locking the pool for
+  a GPU, or ``--prefault``, pays this once at start instead).
 * lookup: p50/p99 of one ``lookup`` round trip (client encode, ZMQ, server
   index walk, reply) against an index of 1k/10k/100k chunks, for a 64-chunk
   prompt (16k tokens at 256/chunk), a 1,000-chunk prompt and a miss; plus the
@@ -208,23 +208,36 @@ def main(argv: list[str] | None = None) -> int:
     res = {"machine": machine_info(), "throughput": {}, "lookup": [], "notes": []}
     workdir = tempfile.mkdtemp(prefix="kvbench-", dir="/tmp")
     try:
-        res["memcpy_gbps_ceiling"] = round(memcpy_gbps(64 << 20, 10 if a.quick else 30), 2)
-        for mode, flags in (("prefaulted", ["--prefault"]), ("lazy", [])):
-            p, addr = start_server(workdir, "--l1-bytes", str(a.pool_bytes), *flags,
-                                   "--high-watermark", "0.98", "--low-watermark", "0.9")
-            res["throughput"][mode] = {}
+        res["memcpy_gbps_64MiB"] = round(memcpy_gbps(64 << 20, 10 if a.quick else 30), 2)
+        # steady state: a prefaulted pool that wraps around several times
+        p, addr = start_server(workdir, "--l1-bytes", str(a.pool_bytes), "--prefault",
+                               "--high-watermark", "0.98", "--low-watermark", "0.9")
+        try:
+            with MPClient(addr, timeout_s=60.0, client_name="bench") as c:
+                for seed, (name, nb) in enumerate(SIZES.items()):
+                    per_round = max(2, min(256, int(a.pool_bytes * 0.3) // (nb + 4096)))
+                    r = bench_throughput(c, nb, per_round, 3 if a.quick else 8, seed)
+                    r["memcpy_gbps_same_size"] = round(memcpy_gbps(nb, max(3, (256 << 20) // nb)), 2)
+                    res["throughput"][name] = r
+                    print(f"{name:>22}: put {r['put_gbps_median']} GB/s median (max {r['put_gbps_max']}), "
+                          f"get {r['get_gbps_median']} GB/s median (max {r['get_gbps_max']}); "
+                          f"memcpy {r['memcpy_gbps_same_size']} GB/s", flush=True)
+        finally:
+            stop_server(p)
+        # first touch: a fresh lazy pool (the default), one pass over new pages per process
+        res["first_touch"] = {}
+        for seed, (name, nb) in enumerate(SIZES.items()):
+            p, addr = start_server(workdir, "--l1-bytes", str(a.pool_bytes))
             try:
                 with MPClient(addr, timeout_s=60.0, client_name="bench") as c:
-                    for seed, (name, nb) in enumerate(SIZES.items()):
-                        per_round = max(2, min(256, int(a.pool_bytes * 0.3) // (nb + 4096)))
-                        rounds = 3 if a.quick else 8
-                        r = bench_throughput(c, nb, per_round, rounds, seed)
-                        res["throughput"][mode][name] = r
-                        print(f"{mode:>10} {name:>22}: put {r['put_gbps_median']} GB/s median "
-                              f"(max {r['put_gbps_max']}), get {r['get_gbps_median']} GB/s median "
-                              f"(max {r['get_gbps_max']})", flush=True)
+                    per_round = max(2, min(256, int(a.pool_bytes * 0.3) // (nb + 4096)))
+                    r = bench_throughput(c, nb, per_round, 1, 10 + seed)
             finally:
                 stop_server(p)
+            res["first_touch"][name] = {"put_gbps": r["put_gbps_median"], "get_gbps": r["get_gbps_median"],
+                                        "objects": per_round, "object_bytes": nb}
+            print(f"{name:>22}: first touch (lazy pool): put {r['put_gbps_median']} GB/s, "
+                  f"get {r['get_gbps_median']} GB/s", flush=True)
         for n in ([1000, 10000] if a.quick else [1000, 10000, 100000]):
             p, addr = start_server(workdir, "--l1-bytes", str(max(64 << 20, n * 2048)))
             try:
