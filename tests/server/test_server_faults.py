@@ -374,3 +374,21 @@ def test_l1_eviction_to_l2_and_back(server_factory, short_tmp):
         assert st["l1_evictions"] > 0 and st["l2_objects"] == 150
         assert load_and_check(c, keys[:40], 1, 1, 1, nb)[0] == 40
         assert c.stats()["l2_promoted_objects"] > 0
+
+
+def test_reservation_timeout_and_quarantine(server_factory):
+    srv = server_factory("--l1-bytes", "16MiB", "--reserve-s", "0.3", "--quarantine-s", "0.5")
+    keys = keys_for(61, 4)
+    oids = oids_for(keys, 1, 1, 1)
+    with MPClient(srv.address) as c:
+        offs = c.reserve([(o, HEADER_SIZE + NB) for o in oids])
+        for o, off in zip(oids[:2], offs):
+            c.write_object(off, *make_object(o, NB))
+        assert c.commit(oids[:1]) == [True]
+        st = wait_for(lambda: (s := c.stats())["reservations_timed_out"] == 3 and s)
+        assert st["reserved_now"] == 0 and st["quarantined_bytes"] > 0
+        assert c.commit(oids[1:2]) == [False]  # too late: nothing becomes visible
+        assert c.lookup(keys)[0] == 1
+        wait_for(lambda: c.stats()["quarantined_bytes"] == 0)
+        assert all(store(c, oids[1:], NB))
+        assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 4

@@ -47,6 +47,21 @@ RESERVED, READY, PROMOTING, L2ONLY = 0, 1, 2, 3
 W_NONE, W_QUEUED, W_WRITING = 0, 1, 2
 
 
+#: counters that always appear in ``stats`` (zero until they happen)
+COUNTERS = (
+    "lookups", "lookup_chunks", "lookup_hit_chunks", "lookup_hit_objects", "l1_hit_objects",
+    "l2_hit_objects", "lookup_promotion_timeouts", "leases_created", "leases_released",
+    "leases_expired", "lease_pinned_bytes", "lease_resolved_bytes", "leases_partially_served",
+    "resolves", "resolved_objects", "resolved_bytes", "resolve_not_leased", "reserved_objects",
+    "reserve_exists", "reserve_no_room", "committed_objects", "committed_bytes", "commit_bad_header",
+    "commit_not_reserved", "aborted_objects", "l1_evictions", "l1_evicted_bytes",
+    "watermark_evictions", "l1_corrupt_objects", "clients_connected", "clients_reaped",
+    "reservations_reclaimed", "reservations_timed_out", "l2_writes", "l2_write_bytes",
+    "l2_write_errors", "l2_reads_started", "l2_promoted_objects", "l2_promoted_bytes",
+    "l2_promote_failures", "l2_corrupt_files", "l2_evictions", "l2_reindexed_objects",
+)
+
+
 class RequestError(Exception):
     """An error reply: ``code`` is one of the protocol's E_* codes."""
 
@@ -135,6 +150,8 @@ class Store:
         self.committed_bytes = 0
         self.committed_objects = 0
         self.stats: dict[str, int] = defaultdict(int)
+        for name in COUNTERS:
+            self.stats[name] = 0
         self.now = 0.0  # the main loop's clock, set before each request
         self.l2: L2Dir | None = None
         self.workers: L2Workers | None = None
@@ -200,11 +217,16 @@ class Store:
             off = self.alloc.alloc(bsize)
         return off
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, wait_for_writer: bool = False) -> bool:
+        """Evict the least recently used evictable object.  ``wait_for_writer``: skip objects
+        the L2 writer has not written yet (background eviction leaves them to the writer;
+        an allocation that finds no room writes them itself)."""
         victim = None
-        for e in self.lru.values():
-            if e.wstate != W_WRITING:
+        for i, e in enumerate(self.lru.values()):
+            if e.wstate == W_NONE or (e.wstate == W_QUEUED and not wait_for_writer):
                 victim = e
+                break
+            if i >= 64:
                 break
         if victim is None:
             return False
@@ -271,7 +293,7 @@ class Store:
         if self.alloc.used <= self.cfg.high_watermark * cap:
             return
         target = self.cfg.low_watermark * cap
-        while self.alloc.used > target and self._evict_one():
+        while self.alloc.used > target and self._evict_one(wait_for_writer=True):
             self.stats["watermark_evictions"] += 1
 
     # ------------------------------------------------------------------ sessions
@@ -395,6 +417,9 @@ class Store:
         p.session.leases.add(lid)
         self.stats["leases_created"] += 1
         self.stats["lookup_hit_objects"] += len(flat)
+        l2_hits = min(p.promoted, len(flat))
+        self.stats["l2_hit_objects"] += l2_hits
+        self.stats["l1_hit_objects"] += len(flat) - l2_hits
         return LookupRep(hits, lid, nbytes, p.promoted)
 
     def _finish_pending(self, p: PendingLookup) -> LookupRep:
@@ -685,8 +710,4 @@ class Store:
             pending_lookups=len(self.pending),
             clients=len(self.sessions),
         )
-        d.setdefault("l1_evictions", 0)
-        d.setdefault("clients_reaped", 0)
-        d.setdefault("l2_corrupt_files", 0)
-        d.setdefault("resolved_bytes", 0)
         return d
