@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -117,3 +118,33 @@ def test_flags_errors_name_the_flag(tmp_path):
         assert flag in str(ei.value), (argv, str(ei.value))
     ok = config_from_args(["--listen", "tcp://0.0.0.0:0", "--token", "s3cret-token"])
     assert ok.token == "s3cret-token" and not ok.listen.is_loopback
+
+
+def test_server_and_client_run_without_torch(tmp_path):
+    """The server (and the client library) must not need torch: run both with torch blocked."""
+    import subprocess
+    import sys
+    import textwrap
+
+    sock = f"/tmp/kvs-notorch-{os.getpid()}.sock"
+    code = textwrap.dedent(f"""
+        import sys, threading, time
+        sys.modules["torch"] = None  # any import of torch now raises ImportError
+        from vllm_kvplugin.server.app import Server
+        from vllm_kvplugin.server.config import config_from_args
+        from vllm_kvplugin.tiers.mp_client import MPClient
+        srv = Server(config_from_args(["--listen", {sock!r}, "--l1-bytes", "8MiB",
+                                       "--l2-dir", {str(tmp_path / "l2")!r}]))
+        t = threading.Thread(target=srv.run, daemon=True)
+        t.start()
+        c = MPClient("unix://" + {sock!r})
+        print(c.stats()["l1_capacity"])
+        c.close()
+        srv.running = False
+        t.join(5)
+        srv.close()
+        assert "torch" not in [m for m, v in sys.modules.items() if v is not None]
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(8 << 20)]
