@@ -1,0 +1,199 @@
+"""Random operations against the server's state machine (no processes), invariants after each.
+
+Invariants: live blocks never overlap and the allocator's count equals them plus
+the quarantine; every committed object still holds exactly the bytes written;
+an object's pin count equals the pins its leases hold; a lookup's hit is
+exactly the leading run of complete positions (recomputed independently).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+from srvutil import keys_for, make_object
+
+from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
+from vllm_kvplugin.server.config import config_from_args
+from vllm_kvplugin.server.protocol import object_id
+from vllm_kvplugin.server.store import READY, RESERVED, LookupRep, RequestError, Store
+
+pytestmark = pytest.mark.server
+
+
+def _live_blocks(st: Store) -> dict[int, int]:
+    seen: dict[int, object] = {}
+    for e in st.objs.values():
+        seen[id(e)] = e
+    for lease in st.leases.values():
+        for e in lease.pinned:
+            seen[id(e)] = e
+    for p in st.pending:
+        for e in p.flat:
+            seen[id(e)] = e
+    blocks = {}
+    for e in seen.values():
+        if e.block >= 0:
+            assert e.block not in blocks, "two objects share a block"
+            blocks[e.block] = e.bsize
+    return blocks
+
+
+def _check(st: Store, written: dict[bytes, bytes]) -> None:
+    blocks = _live_blocks(st)
+    spans = sorted(blocks.items()) + sorted((off, size) for _, off, size in st.quarantine)
+    spans.sort()
+    for (a, asz), (b, _) in zip(spans, spans[1:]):
+        assert a + asz <= b, "overlapping blocks"
+    assert st.alloc.used == sum(size for _, size in spans)
+    pins: dict[int, int] = {}
+    for lease in st.leases.values():
+        for e in lease.pinned:
+            pins[id(e)] = pins.get(id(e), 0) + 1
+    for e in st.objs.values():
+        assert e.pins == pins.get(id(e), 0), "pin count differs from the leases' pins"
+        if e.state == READY:
+            data = bytes(st.pool[e.offset:e.offset + e.nbytes])
+            assert data == written[e.oid], "a committed object's bytes changed"
+            assert (e.oid in st.lru) == (e.pins == 0)
+
+
+def _expected_hits(st: Store, keys: list[bytes], groups: int, ranks: int, world: int) -> int:
+    n = 0
+    for k in keys:
+        for g in range(groups):
+            for r in range(ranks):
+                e = st.objs.get(object_id(k, g, r, world))
+                if e is None or e.state != READY or e.doomed:
+                    return n
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_store_random_operations(tmp_path, seed):
+    rng = random.Random(seed)
+    cfg = config_from_args(["--listen", str(tmp_path / "s"), "--l1-bytes", "2MiB", "--lease-s", "5",
+                            "--heartbeat-s", "1", "--reserve-s", "4", "--quarantine-s", "1",
+                            "--high-watermark", "0.9", "--low-watermark", "0.7"])
+    pool = memoryview(bytearray(2 << 20))
+    st = Store(cfg, pool, -1)
+    now = 0.0
+    st.now = now
+    sessions = [st.hello(f"c{i}".encode(), f"c{i}", i, now) for i in range(3)]
+    prompts = [keys_for(seed * 100 + i, rng.randint(1, 40)) for i in range(8)]
+    geometry = (1, 2, 2)  # groups, ranks, world
+    written: dict[bytes, bytes] = {}
+    leases: list[int] = []
+    for step in range(1500):
+        op = rng.random()
+        # a reaped client's requests never reach the store (the server answers hello_required)
+        sessions = [x if st.sessions.get(x.ident) is x else st.hello(x.ident + b"'", "re", 0, now)
+                    for x in sessions]
+        s = rng.choice(sessions)
+        g, r, w = geometry
+        if op < 0.35:  # store a prompt's next chunks (some objects left out or aborted)
+            keys = rng.choice(prompts)
+            oids = [object_id(k, gg, rr, w) for k in keys[:rng.randint(1, len(keys))]
+                    for gg in range(g) for rr in range(r)]
+            nb = rng.choice([1000, 3000, 20000])
+            sizes = [HEADER_SIZE + nb] * len(oids)
+            offs = st.reserve(s, b"".join(oids), sizes, now)
+            mine = [(o, off) for o, off in zip(oids, offs) if off >= 0]
+            for o, off in mine:
+                h, pl = make_object(o, nb)
+                pool[off:off + HEADER_SIZE + nb] = h + pl
+                written[o] = h + pl
+            fate = rng.random()
+            if fate < 0.8:
+                st.commit(s, b"".join(o for o, _ in mine if rng.random() < 0.97))
+            elif fate < 0.9:
+                st.abort(s, b"".join(o for o, _ in mine))
+            # else: left reserved (times out or is reaped)
+        elif op < 0.6:  # lookup, checked against an independent count
+            keys = rng.choice(prompts)
+            keys = keys[:rng.randint(0, len(keys))]
+            want = _expected_hits(st, keys, g, r, w)
+            rep = st.lookup(s, b"".join(keys), g, r, w, 0.0, s.ident, 0, [], now)
+            assert isinstance(rep, LookupRep) and rep.hits == want
+            if rep.lease:
+                leases.append(rep.lease)
+                offsets, sizes = st.resolve(rep.lease, b"".join(keys[:rep.hits]), 0, 1, w, now)
+                for k, off, n in zip(keys, offsets, sizes):
+                    assert bytes(pool[off:off + n]) == written[object_id(k, 0, 1, w)]
+                with pytest.raises(RequestError):
+                    st.resolve(rep.lease, b"".join(keys[:rep.hits + 1]) + os.urandom(16), 0, 0, w, now)
+        elif op < 0.75 and leases:
+            st.release(leases.pop(rng.randrange(len(leases))))
+        elif op < 0.8:  # a client goes silent and is reaped; a new one appears
+            victim = sessions.pop(rng.randrange(len(sessions)))
+            st.reap(victim, "reaped")
+            sessions.append(st.hello(f"c{step}".encode(), "new", step, now))
+        else:
+            now += rng.choice([0.01, 0.2, 1.5])
+            for s2 in sessions:
+                if rng.random() < 0.9:
+                    s2.last_seen = now
+            st.tick(now)
+        leases = [lid for lid in leases if lid in st.leases]
+        _check(st, written)
+    for lid in list(st.leases):
+        st.release(lid)
+    for s in list(st.sessions.values()):
+        st.reap(s, "reaped")
+    st.tick(now + 100)
+    assert all(e.state == READY and e.pins == 0 for e in st.objs.values()), [(e.state, e.pins, e.owner) for e in st.objs.values() if e.state != READY or e.pins]
+    assert st.alloc.used == sum(e.bsize for e in st.objs.values())
+    assert not [e for e in st.objs.values() if e.state == RESERVED]
+
+
+def test_store_with_l2_random_operations(tmp_path):
+    """The same with L2 on: writer and readers are real threads; eviction goes through L2."""
+    rng = random.Random(7)
+    cfg = config_from_args(["--listen", str(tmp_path / "s"), "--l1-bytes", "1MiB",
+                            "--l2-dir", str(tmp_path / "l2"), "--l2-bytes", "3MiB"])
+    pool = memoryview(bytearray(1 << 20))
+    r_fd, w_fd = os.pipe()
+    os.set_blocking(w_fd, False)
+    st = Store(cfg, pool, w_fd)
+    s = st.hello(b"c", "c", 1, 0.0)
+    prompts = [keys_for(500 + i, rng.randint(5, 30)) for i in range(10)]
+    written: dict[bytes, bytes] = {}
+    for _step in range(300):
+        keys = rng.choice(prompts)
+        if rng.random() < 0.5:
+            oids = [object_id(k, 0, 0, 1) for k in keys]
+            offs = st.reserve(s, b"".join(oids), [HEADER_SIZE + 8000] * len(oids), 0.0)
+            ok = []
+            for o, off in zip(oids, offs):
+                if off >= 0:
+                    h, pl = make_object(o, 8000)
+                    pool[off:off + HEADER_SIZE + 8000] = h + pl
+                    written[o] = h + pl
+                    ok.append(o)
+            st.commit(s, b"".join(ok))
+        else:
+            rep = st.lookup(s, b"".join(keys), 1, 1, 1, 5.0, b"c", 0, [], 0.0)
+            deadline = time.monotonic() + 10
+            while not isinstance(rep, LookupRep):
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+                st.process_l2()
+                done = st.poll_pending(0.0)
+                if done:
+                    rep = done[0][1]
+            if rep.lease:
+                offsets, sizes = st.resolve(rep.lease, b"".join(keys[:rep.hits]), 0, 0, 1, 0.0)
+                for k, off, n in zip(keys, offsets, sizes):
+                    assert bytes(pool[off:off + n]) == written[object_id(k, 0, 0, 1)]
+                st.release(rep.lease)
+        st.process_l2()
+        st.tick(0.0)
+        _check(st, written)
+    assert st.stats["l1_evictions"] > 0 and st.stats["l2_promoted_objects"] > 0
+    assert st.stats["l2_corrupt_files"] == 0 and st.stats["l1_corrupt_objects"] == 0
+    st.workers.stop(5)
+    os.close(r_fd)
+    os.close(w_fd)
