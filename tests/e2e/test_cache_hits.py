@@ -13,12 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from harness import Probe, engine, generate, prompt, shutdown
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
 from vllm_kvplugin.planner import max_loadable_tokens
-
-from harness import Probe, engine, generate, prompt, shutdown
 
 pytestmark = pytest.mark.engine
 

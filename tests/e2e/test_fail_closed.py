@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import Probe, engine, generate, prompt, shutdown
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
-
-from harness import Probe, engine, generate, prompt, shutdown
 
 pytestmark = pytest.mark.engine
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_like import LAYOUTS_029, Case, build
 
 from vllm_kvplugin import ops
 from vllm_kvplugin.layout import LayoutError, build_layout, certify
 from vllm_kvplugin.layout.build import derive_strides
 from vllm_kvplugin.layout.reference import reference_gather, reference_scatter
-
-from vllm_like import LAYOUTS_029, Case, build
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from vllm_kvplugin.chunk.format import (
-    HEADER_SIZE, ChunkError, ChunkExpect, ChunkHeader, check_chunk, payload_checksum,
+    HEADER_SIZE,
+    ChunkError,
+    ChunkExpect,
+    ChunkHeader,
+    check_chunk,
+    payload_checksum,
 )
 
 EXPECT = ChunkExpect(fingerprint=b"F" * 16, key=b"K" * 16, kind=1, dtype=torch.bfloat16,

@@ -18,7 +18,11 @@ from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.keys import chunk_keys, model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import (
-    ChunkJob, KVPluginMetadata, KVPluginWorkerMeta, LoadRequest, StoreRequest,
+    ChunkJob,
+    KVPluginMetadata,
+    KVPluginWorkerMeta,
+    LoadRequest,
+    StoreRequest,
 )
 from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import GroupKind

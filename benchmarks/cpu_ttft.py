@@ -1,0 +1,162 @@
+"""Cold vs warm time-to-first-token on the CPU lane, side by side in one run.
+
+Modes, each in its own engine process (in-process engine, eager, prefix caching
+off), the same prompts in the same order:
+
+* ``baseline``  - no connector (every request recomputes);
+* ``kvplugin``  - KVPluginConnector, in-process CPU tier;
+* ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` (when available);
+* ``example``   - vLLM's ExampleConnector (disk), the only stock connector that runs on
+  the CPU platform.
+
+For every prompt length: the first request is cold, the second identical one
+warm; TTFT is the latency of a 1-token generation.  Prompt lengths are block
+multiples and one past a block multiple (ExampleConnector misses entirely
+there).  Results: JSON with the machine and versions, and ratios.
+
+    python benchmarks/cpu_ttft.py [--lengths 2048,4096,8192,16384] [--out benchmarks/results/cpu-ttft.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, server: str | None) -> dict:
+    """One engine, all prompts; runs in a child process (``--child``)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import vllm_kvplugin
+
+    ktc = None
+    if mode.startswith("kvplugin"):
+        extra = {"chunk_size": chunk, "cpu_bytes": 8 << 30 if mode == "kvplugin" else 0}
+        if server:
+            extra["server"] = server
+        ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    elif mode == "example":
+        store = tempfile.mkdtemp(prefix="example-connector-")
+        ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path": store})
+    max_len = max(lengths) + 64
+    llm = LLM(model=model, enable_prefix_caching=False, max_model_len=max_len, enforce_eager=True,
+              kv_cache_memory_bytes=4 << 30, block_size=block, kv_transfer_config=ktc, seed=0,
+              max_num_batched_tokens=max_len)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    spx = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def once(p, params=sp):
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        return time.perf_counter() - t0, o
+
+    once([random.Random(0).randrange(10, 4000) for _ in range(300)])  # warm-up
+    rows = []
+    for n in lengths:
+        p = [random.Random(n).randrange(10, 4000) for _ in range(n)]
+        cold, oc = once(p)
+        warm, ow = once(p)
+        # correctness alongside: 8 greedy tokens, warm again vs the cold run's continuation
+        _, ox = once(p, spx)
+        rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
+                     "warm_cached_tokens": int(ow.num_cached_tokens or 0),
+                     "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
+                     "continuation": list(ox.outputs[0].token_ids)})
+    stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
+    return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="2048,2049,4096,4097,8192,8193,16384,16385")
+    ap.add_argument("--modes", default="baseline,kvplugin,example")
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--server", default=None, help="address of a running vllm-kvplugin server")
+    ap.add_argument("--out", default=str(HERE / "results" / "cpu-ttft.json"))
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.child:
+        print("RESULT " + json.dumps(run_mode(args.child, args.model, lengths, args.block, args.chunk, args.server)))
+        return 0
+
+    from vllm_kvplugin import __version__, tiny_model
+
+    model = str(tiny_model.build(tiny_model.DEMO))
+    results = []
+    for mode in args.modes.split(","):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", model, "--lengths", args.lengths,
+                              "--block", str(args.block), "--chunk", str(args.chunk)]
+                             + (["--server", args.server] if args.server else []),
+                             capture_output=True, text=True)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode != 0 or not line:
+            print(out.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"mode {mode} failed")
+        res = json.loads(line[0][7:])
+        res["wall_s"] = round(time.time() - t0, 1)
+        results.append(res)
+        print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr)
+    import torch
+    import vllm
+
+    by_mode = {r["mode"]: {row["prompt_tokens"]: row for row in r["rows"]} for r in results}
+    base = by_mode.get("baseline", {})
+    summary = []
+    for n in lengths:
+        row = {"prompt_tokens": n}
+        for mode, rows in by_mode.items():
+            r = rows[n]
+            row[f"{mode}_cold_s"] = r["cold_s"]
+            row[f"{mode}_warm_s"] = r["warm_s"]
+            row[f"{mode}_warm_speedup"] = round(r["cold_s"] / r["warm_s"], 2)
+            if base and mode != "baseline":
+                row[f"{mode}_continuation_matches_baseline"] = r["continuation"] == base[n]["continuation"]
+        if "kvplugin" in by_mode and "example" in by_mode:
+            row["kvplugin_vs_example_warm_ratio"] = round(by_mode["example"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
+        summary.append(row)
+    doc = {
+        "benchmark": "cpu_ttft", "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "vllm_kvplugin": __version__},
+        "model": tiny_model.DEMO.__dict__, "block_size": args.block, "chunk_size": args.chunk,
+        "summary": summary, "modes": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    cols = ["prompt_tokens"] + [k for k in summary[0] if k.endswith(("_cold_s", "_warm_s", "ratio"))]
+    print(" | ".join(cols))
+    for row in summary:
+        print(" | ".join(str(row.get(c, "")) for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
