@@ -163,3 +163,46 @@ def test_eviction_under_budget_keeps_serving_correctly(qwen3_model):
             assert first.token_ids == want[0] and first.num_cached_tokens == 0
         finally:
             shutdown(llm)
+
+
+def test_counters_reach_vllm_prometheus(qwen3_model):
+    """The plugin's counters arrive in vLLM's own stats pipeline and Prometheus registry."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str) -> float:
+        return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
+
+    p = prompt(9 * 64 + 3, seed=77)
+    before = sample("vllm:kvplugin_loaded_bytes_total")
+    llm = engine(qwen3_model, 32, {"chunk_size": 64}, disable_log_stats=False)
+    try:
+        generate(llm, [p])
+        generate(llm, [p])
+        s = vllm_kvplugin.stats()
+    finally:
+        shutdown(llm)
+    assert sample("vllm:kvplugin_loaded_bytes_total") - before == 9 * 64 * 2048
+    assert sample("vllm:kvplugin_hit_tokens_total") >= 9 * 64
+    assert s["loaded_bytes"] >= 9 * 64 * 2048
+
+
+def test_certification_failure_stops_the_engine(qwen3_model, monkeypatch):
+    """A kernel that disagrees with the layout reference: the engine does not start."""
+    from vllm_kvplugin import ops
+
+    real = ops.gather
+
+    def off_by_one_token(layers, slots, *a):
+        return real(layers, slots.roll(1, dims=1), *a)
+
+    monkeypatch.setattr(ops, "gather", off_by_one_token)
+    try:
+        with pytest.raises(Exception, match="certification.*CPU_ATTN"):
+            engine(qwen3_model, 32, {"chunk_size": 64})
+    finally:
+        import gc
+
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        gc.collect()
+        cleanup_dist_env_and_memory()
