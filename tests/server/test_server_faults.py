@@ -392,3 +392,33 @@ def test_reservation_timeout_and_quarantine(server_factory):
         wait_for(lambda: c.stats()["quarantined_bytes"] == 0)
         assert all(store(c, oids[1:], NB))
         assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 4
+
+
+def test_restart_under_a_connected_client(server_factory):
+    """The client's socket reconnects by itself to a restarted server: the first call that meets
+    the new instance fails (the caller drops its offsets), the pool is re-mapped, then all works."""
+    srv = server_factory("--l1-bytes", "16MiB")
+    keys = keys_for(71, 3)
+    oids = oids_for(keys, 1, 1, 1)
+    with MPClient(srv.address, retry_s=0.0) as c:
+        old_pool = c.hello()["pool_path"]
+        gen = c.pool_generation
+        offs = c.reserve([(o, HEADER_SIZE + NB) for o in oids])
+        assert srv.stop() == 0
+        srv.start()
+        errors = 0
+        while True:
+            try:
+                c.lookup(keys)
+                break
+            except TierUnavailable:
+                errors += 1
+                assert errors < 50
+                time.sleep(0.05)
+        assert errors >= 1 and c.pool_generation == gen + 1
+        assert c.hello()["pool_path"] != old_pool
+        with pytest.raises(TierUnavailable):  # an offset of the old pool is refused
+            c.write_object(offs[0], *make_object(oids[0], NB), generation=gen)
+        assert c.commit(oids) == [False, False, False]
+        assert all(store(c, oids, NB))
+        assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 3

@@ -19,7 +19,16 @@ Load::
 
 Every call is bounded by ``timeout_s``; a dead, hung or restarted server makes
 the call raise :class:`TierUnavailable` and the next call reconnects (new
-socket, hello, the pool re-mapped if the server's pool changed).  After a
+socket, hello, the pool re-mapped if the server's pool changed).
+
+Offsets and leases belong to one server instance.  The call that first meets
+a new instance re-maps the pool, increments :attr:`MPClient.pool_generation`
+and raises :class:`TierUnavailable` without sending its request, so a caller
+that drops its in-flight offsets and leases on ``TierUnavailable`` can never
+write an old offset into the new pool.  Views from :meth:`pool_view` /
+:meth:`pool_tensor` taken earlier stay mapped to the old (orphaned) pool, so
+late writes through them are harmless; threads sharing one client should
+compare ``pool_generation`` (or pass ``generation=`` to the helpers).  After a
 failure, calls fail fast (no socket I/O) for ``retry_s`` so that a missing
 server costs the caller nothing per request.  Server-side refusals (unknown
 lease, invalid request) raise :class:`ServerError` with the protocol's code.
@@ -144,7 +153,7 @@ class MPClient:
         if backoff:
             self._down_until = time.monotonic() + self.retry_s
 
-    def _connect(self, deadline: float) -> None:
+    def _connect(self, deadline: float) -> bool:
         if self._ctx is None:
             self._ctx = zmq.Context(1)
         s = self._ctx.socket(zmq.DEALER)
@@ -155,24 +164,27 @@ class MPClient:
         s.setsockopt(zmq.ROUTING_ID, os.urandom(12))
         s.connect(self.address.zmq)
         self._sock = s
-        self._connect_hello(deadline)
+        return self._connect_hello(deadline)
 
-    def _connect_hello(self, deadline: float) -> None:
+    def _connect_hello(self, deadline: float) -> bool:
         try:
             rep = self._exchange("hello", P.HelloReq(self.client_name, os.getpid(), self.token), deadline)
         except _SessionLost as exc:  # hello never needs a session; a server that says so is broken
             raise TierUnavailable(f"cache server refused hello: {exc}") from None
-        self._after_hello(rep)
+        return self._after_hello(rep)
 
-    def _after_hello(self, rep: P.HelloRep) -> None:
+    def _after_hello(self, rep: P.HelloRep) -> bool:
+        """Check, map the pool, start heartbeats; True when this is a new server instance
+        (every offset and lease the caller holds from the previous one is void)."""
         if rep.protocol != P.PROTOCOL_VERSION or rep.header_size != HEADER_SIZE:
             self._disconnect(backoff=True)
             raise ServerError(P.E_VERSION, f"server speaks protocol {rep.protocol} with {rep.header_size}-byte "
                                            f"headers; this client {P.PROTOCOL_VERSION}/{HEADER_SIZE}")
         self._map_pool(rep)
         self._hello = rep
+        changed = self._instance is not None and self._instance != rep.instance
         if self._instance != rep.instance:
-            if self._instance is not None:
+            if changed:
                 logger.warning("vllm-kvplugin: cache server %s restarted (instance %s -> %s)",
                                self.address, self._instance, rep.instance)
             self._instance = rep.instance
@@ -182,6 +194,7 @@ class MPClient:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name="kvplugin-mp-heartbeat")
             self._hb_thread.start()
+        return changed
 
     def _map_pool(self, rep: P.HelloRep) -> None:
         if self._mmap is not None and self._pool_path == rep.pool_path and len(self._mmap) == rep.pool_size:
@@ -278,15 +291,13 @@ class MPClient:
                                           f"{self._down_until - time.monotonic():.1f} s)")
                 self._disconnect(backoff=False)
                 try:
-                    self._connect(deadline)
-                except TierUnavailable:
-                    self._disconnect(backoff=True)
-                    raise
+                    changed = self._connect(deadline)
                 except Exception:
                     self._disconnect(backoff=True)
                     raise
                 if op == "hello":
                     return self._hello
+                self._raise_if_restarted(changed, op)
             try:
                 rep = self._exchange(op, body, deadline)
             except _SessionLost:
@@ -295,13 +306,16 @@ class MPClient:
                 # reservation) is checked by the server, so a retry cannot use a stale one
                 self._hello = None
                 try:
-                    self._connect_hello(deadline)
+                    changed = self._connect_hello(deadline)
+                    if op == "hello":
+                        return self._hello
+                    self._raise_if_restarted(changed, op)
                     rep = self._exchange(op, body, deadline)
                 except _SessionLost as exc:
                     self._disconnect(backoff=True)
                     raise TierUnavailable(f"cache server {self.address} keeps refusing this "
                                           f"client's session: {exc}") from None
-                except TierUnavailable:
+                except (TierUnavailable, ServerError):
                     raise
                 except Exception:
                     self._disconnect(backoff=True)
@@ -311,6 +325,14 @@ class MPClient:
             return rep
         finally:
             self._lock.release()
+
+    def _raise_if_restarted(self, changed: bool, op: str) -> None:
+        if changed:
+            # the pool was re-mapped: whatever offsets or leases the caller holds belong to the
+            # old server; fail this call so that the caller drops them (the next call runs)
+            raise TierUnavailable(f"cache server {self.address} restarted (new instance "
+                                  f"{self._instance}, pool generation {self._generation}); "
+                                  f"{op} not sent")
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self._hello.heartbeat_s if self._hello else 1.0):
@@ -324,7 +346,9 @@ class MPClient:
                     try:
                         self._exchange("heartbeat", P.Empty(), deadline)
                     except _SessionLost:
-                        self._connect_hello(deadline)  # reaped or a restarted server: join again
+                        # reaped, or a restarted server: the next call says hello again (and
+                        # re-maps the pool in the caller's thread, never behind its back)
+                        self._hello = None
             except Exception as exc:
                 logger.debug("vllm-kvplugin: heartbeat failed: %s", exc)
             finally:
@@ -449,18 +473,26 @@ class MPClient:
         return dict(self._call("stats", P.Empty()).values)
 
     # helpers for tests, tools and simple callers --------------------------------------
-    def write_object(self, offset: int, header: bytes, payload) -> None:
-        """Copy ``header`` and ``payload`` into the pool at a reserved ``offset``."""
+    def _view_of(self, generation: int | None) -> memoryview:
         view = self.pool_view()
+        if generation is not None and generation != self._generation:
+            raise TierUnavailable(f"offset of pool generation {generation}; the pool is now "
+                                  f"generation {self._generation} (server restarted)")
+        return view
+
+    def write_object(self, offset: int, header: bytes, payload, generation: int | None = None) -> None:
+        """Copy ``header`` and ``payload`` into the pool at a reserved ``offset`` (of pool
+        ``generation``, when given: a different one raises TierUnavailable)."""
+        view = self._view_of(generation)
         if len(header) != HEADER_SIZE:
             raise ValueError(f"header must be {HEADER_SIZE} bytes")
         p = memoryview(payload).cast("B")
         view[offset:offset + HEADER_SIZE] = header
         view[offset + HEADER_SIZE:offset + HEADER_SIZE + p.nbytes] = p
 
-    def object_view(self, offset: int, nbytes: int) -> memoryview:
+    def object_view(self, offset: int, nbytes: int, generation: int | None = None) -> memoryview:
         """The object's bytes in the pool (header first), no copy."""
-        return self.pool_view()[offset:offset + nbytes]
+        return self._view_of(generation)[offset:offset + nbytes]
 
     def close(self) -> None:
         self._closed = True
