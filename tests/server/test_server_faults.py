@@ -233,6 +233,8 @@ def test_garbage_and_bad_messages_get_errors(server):
                                      {"keys": b"x" * 17, "groups": 1, "ranks": 1, "world": 1}))}),
          "invalid"),
         (P.encode_request("lookup", 8, P.LookupReq(b"k" * 16, 1, 2, 1)), "invalid"),
+        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 16, 65535, 65535, 65535)), "invalid"),
+        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 16 * 100_000, 100, 100, 100)), "invalid"),
         (P.encode_request("reserve", 9, P.ReserveReq(b"x" * 22, [1, 2])), "invalid"),
         (P.encode_request("resolve", 10, P.ResolveReq(12345, b"k" * 16, 0, 0, 1)), "unknown_lease"),
         (P.encode_request("commit", 11, P.IdsReq(b"x" * 21)), "invalid"),

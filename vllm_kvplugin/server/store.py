@@ -44,6 +44,10 @@ from vllm_kvplugin.server.protocol import (
 logger = logging.getLogger(__name__)
 
 RESERVED, READY, PROMOTING, L2ONLY = 0, 1, 2, 3
+#: a lookup names at most this many objects per chunk position (groups x ranks) ...
+MAX_OBJECTS_PER_POSITION = 4096
+#: ... and at most this many in all
+MAX_LOOKUP_OBJECTS = 1 << 23
 W_NONE, W_QUEUED, W_WRITING = 0, 1, 2
 
 
@@ -336,10 +340,14 @@ class Store:
             raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
         if ranks > world:
             raise RequestError(E_INVALID, f"ranks {ranks} > world {world}")
+        per = groups * ranks
+        if per > MAX_OBJECTS_PER_POSITION or per * (len(keys) // KEY_SIZE) > MAX_LOOKUP_OBJECTS:
+            raise RequestError(E_INVALID, f"lookup of {len(keys) // KEY_SIZE} chunks x {groups} groups x "
+                                          f"{ranks} ranks exceeds the limits ({MAX_OBJECTS_PER_POSITION} "
+                                          f"objects per chunk, {MAX_LOOKUP_OBJECTS} per lookup)")
         self.stats["lookups"] += 1
         self.stats["lookup_chunks"] += len(keys) // KEY_SIZE
         suffixes = [oid_suffix(g, r, world) for g in range(groups) for r in range(ranks)]
-        per = len(suffixes)
         get = self.objs.get
         flat: list[Obj] = []
         promote = False
