@@ -298,6 +298,11 @@ def test_corrupt_l2_file_detected_and_dropped(server_factory, short_tmp):
         assert all(store(c, oids_for(keys[25:26], 1, 1, 1), NB))
         assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 30
     assert not glob.glob(os.path.join(l2, "**", "*.tmp"), recursive=True)
+    # one server per L2 directory
+    other = subprocess.run([PY, "-m", "vllm_kvplugin.server", "--listen", f"unix://{short_tmp}/o.sock",
+                            "--l1-bytes", "8MiB", "--l2-dir", l2], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 1 and "in use" in other.stderr and "--l2-dir" in other.stderr
+    assert srv.alive()
 
 
 def test_lease_expiry(server_factory):

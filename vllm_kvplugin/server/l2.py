@@ -16,6 +16,7 @@ the main loop through a pipe.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
@@ -33,6 +34,10 @@ SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 
 
+class L2InUse(OSError):
+    pass
+
+
 class L2Dir:
     def __init__(self, root: str):
         self.root = root
@@ -42,6 +47,13 @@ class L2Dir:
             raise PermissionError(f"--l2-dir {root} belongs to uid {st.st_uid}, not to this user")
         if st.st_mode & 0o077:
             os.chmod(root, 0o700)
+        # one server per directory: a second one would index and delete under the first
+        self._lock_fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise L2InUse(f"--l2-dir {root} is in use by another server") from None
 
     def path(self, oid: bytes) -> str:
         h = oid.hex()
@@ -210,6 +222,8 @@ class L2Workers:
             try:
                 self.l2.read_into(job.oid, view)
                 job.error = verify_object(job.oid, view)
+                if job.error is None:
+                    self.l2.touch(job.oid)  # the file's mtime orders L2's LRU across restarts
             except HeaderError as exc:
                 job.error = exc.reason
             except OSError as exc:
