@@ -9,7 +9,14 @@ import textwrap
 
 import pytest
 from srvutil import (
-    PY, keys_for, load_and_check, make_object, oids_for, payload_for, store, wait_for,
+    PY,
+    keys_for,
+    load_and_check,
+    make_object,
+    oids_for,
+    payload_for,
+    store,
+    wait_for,
 )
 
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, pack_header, payload_checksum

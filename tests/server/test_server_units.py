@@ -11,7 +11,11 @@ from vllm_kvplugin.server import chunkhdr
 from vllm_kvplugin.server.config import ServerConfigError, config_from_args, parse_bytes
 from vllm_kvplugin.server.pool import Allocator, block_size_for
 from vllm_kvplugin.server.protocol import (
-    OBJECT_ID_SIZE, PAYLOAD_ALIGN, object_id, parse_address, split_object_id,
+    OBJECT_ID_SIZE,
+    PAYLOAD_ALIGN,
+    object_id,
+    parse_address,
+    split_object_id,
 )
 
 pytestmark = pytest.mark.server
@@ -76,7 +80,9 @@ def test_allocator_best_fit_and_coalescing():
         a.free(off, size)
     assert a.used == 0 and a.free_extents == 1 and a.largest_free() == cap
     # an exact-size hole is reused before the big free tail
-    x, y, z = a.alloc(4096), a.alloc(8192), a.alloc(4096)
+    a.alloc(4096)
+    y = a.alloc(8192)
+    a.alloc(4096)
     a.free(y, 8192)
     assert a.alloc(8192) == y
     assert block_size_for(1) == PAYLOAD_ALIGN

@@ -25,7 +25,11 @@ import time
 from dataclasses import dataclass
 
 from vllm_kvplugin.server.chunkhdr import (
-    HEADER_SIZE, HeaderError, header_object_id, parse_header, payload_checksum,
+    HEADER_SIZE,
+    HeaderError,
+    header_object_id,
+    parse_header,
+    payload_checksum,
 )
 
 logger = logging.getLogger(__name__)

@@ -35,9 +35,20 @@ from vllm_kvplugin.server.config import ServerConfig
 from vllm_kvplugin.server.l2 import Job, L2Dir, L2Workers
 from vllm_kvplugin.server.pool import OBJECT_SHIFT, Allocator, block_size_for
 from vllm_kvplugin.server.protocol import (
-    COMMIT_BAD_HEADER, COMMIT_NOT_RESERVED, COMMIT_OK, E_INTERNAL, E_INVALID, E_NOT_LEASED,
+    COMMIT_BAD_HEADER,
+    COMMIT_NOT_RESERVED,
+    COMMIT_OK,
+    E_INTERNAL,
+    E_INVALID,
+    E_NOT_LEASED,
     E_UNKNOWN_LEASE,
-    KEY_SIZE, OBJECT_ID_SIZE, RESERVE_EXISTS, RESERVE_NO_ROOM, LookupRep, ReleaseRep, oid_suffix,
+    KEY_SIZE,
+    OBJECT_ID_SIZE,
+    RESERVE_EXISTS,
+    RESERVE_NO_ROOM,
+    LookupRep,
+    ReleaseRep,
+    oid_suffix,
     split_object_id,
 )
 
