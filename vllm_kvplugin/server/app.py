@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import hmac
 import logging
 import os
@@ -105,6 +106,9 @@ class Server:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        # what exists now (an L2 index of possibly millions of objects) never needs collecting
+        gc.collect()
+        gc.freeze()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)

@@ -364,14 +364,16 @@ class Store:
         promote = False
         for i in range(0, len(keys), KEY_SIZE):
             key = keys[i:i + KEY_SIZE]
-            row = [get(key + sfx) for sfx in suffixes]
-            for e in row:
+            start = len(flat)
+            for sfx in suffixes:
+                e = get(key + sfx)
                 if e is None or e.state == RESERVED or e.doomed:
+                    del flat[start:]  # this position is incomplete: the hit ends before it
                     break
                 if e.state != READY:
                     promote = True
+                flat.append(e)
             else:
-                flat += row
                 continue
             break
         # pin first (so that making room below cannot evict what this lookup found)
