@@ -164,6 +164,55 @@ def bench_lookup(client: MPClient, n_index: int, reps: int) -> dict:
     return out
 
 
+def bench_gpu(client: MPClient, reps: int) -> dict:
+    """GPU <-> pool copies: the pool page-locked with cudaHostRegister (what the connector does),
+    against the same copies from pageable pool memory and from a torch pinned buffer."""
+    import torch
+
+    pool = client.pool_tensor()
+    cudart = torch.cuda.cudart()
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res = {}
+    for name, nb in SIZES.items():
+        n = max(2, min(64, int(pool.numel() * 0.5) // nb))
+        gpu = torch.empty((n, nb), dtype=torch.uint8, device="cuda")
+        views = [pool[i * nb:(i + 1) * nb] for i in range(n)]  # n objects' worth of pool
+        pinned = torch.empty((n, nb), dtype=torch.uint8, pin_memory=True)
+
+        def run(h2d: bool, srcs, gpu=gpu, n=n, nb=nb) -> float:
+            best = 0.0
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(n):
+                    if h2d:
+                        gpu[i].copy_(srcs[i], non_blocking=True)
+                    else:
+                        srcs[i].copy_(gpu[i], non_blocking=True)
+                torch.cuda.synchronize()
+                best = max(best, n * nb / (time.perf_counter() - t0) / 1e9)
+            return round(best, 2)
+
+        r = {"object_bytes": nb, "objects": n,
+             "h2d_pageable_pool_gbps": run(True, views), "d2h_pageable_pool_gbps": run(False, views)}
+        base, size = pool.data_ptr(), pool.numel()
+        rc = cudart.cudaHostRegister(base, size, 0)
+        r["cudaHostRegister"] = int(rc) if not isinstance(rc, int) else rc
+        r["h2d_registered_pool_gbps"] = run(True, views)
+        r["d2h_registered_pool_gbps"] = run(False, views)
+        cudart.cudaHostUnregister(base)
+        r["h2d_torch_pinned_gbps"] = run(True, list(pinned))
+        r["d2h_torch_pinned_gbps"] = run(False, list(pinned))
+        res[name] = r
+        print(f"{name:>22}: H2D registered pool {r['h2d_registered_pool_gbps']} GB/s "
+              f"(pageable {r['h2d_pageable_pool_gbps']}, torch pinned {r['h2d_torch_pinned_gbps']}); "
+              f"D2H registered {r['d2h_registered_pool_gbps']} (pageable {r['d2h_pageable_pool_gbps']}, "
+              f"pinned {r['d2h_torch_pinned_gbps']})", flush=True)
+        del gpu, pinned
+    out["copies"] = res
+    return out
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:
@@ -202,11 +251,17 @@ def machine_info() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results", "server-cpu.json"))
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/server-cpu.json (server-gpu.json with --gpu)")
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions (CI smoke)")
     ap.add_argument("--pool-bytes", type=int, default=1 << 30)
+    ap.add_argument("--gpu", action="store_true",
+                    help="GPU <-> pool copy speeds instead (results/server-gpu.json by default)")
     a = ap.parse_args(argv)
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    if a.gpu:
+        return main_gpu(a, a.out or os.path.join(results, "server-gpu.json"))
+    a.out = a.out or os.path.join(results, "server-cpu.json")
     res = {"machine": machine_info(), "throughput": {}, "lookup": [], "notes": []}
     workdir = tempfile.mkdtemp(prefix="kvbench-", dir="/tmp")
     try:
@@ -259,6 +314,25 @@ def main(argv: list[str] | None = None) -> int:
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {a.out}")
+    return 0
+
+
+def main_gpu(a, out: str) -> int:
+    res = {"machine": machine_info()}
+    workdir = tempfile.mkdtemp(prefix="kvbench-", dir="/tmp")
+    try:
+        p, addr = start_server(workdir, "--l1-bytes", str(max(a.pool_bytes, 4 << 30)), "--prefault")
+        try:
+            with MPClient(addr, timeout_s=60.0, client_name="bench-gpu") as c:
+                res["gpu"] = bench_gpu(c, 3 if a.quick else 10)
+        finally:
+            stop_server(p)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {out}")
     return 0
 
 
