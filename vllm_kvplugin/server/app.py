@@ -100,6 +100,8 @@ class Server:
                 os.umask(old)
             os.chmod(a.path, 0o600)
             return a
+        if ":" in a.host:
+            self.router.setsockopt(zmq.IPV6, 1)
         self.router.bind(a.zmq)
         ep = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         return P.parse_address(ep.replace("tcp://0.0.0.0", f"tcp://{a.host}"))

@@ -162,6 +162,8 @@ class MPClient:
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.MAXMSGSIZE, P.HARD_MESSAGE_BYTES)
         s.setsockopt(zmq.ROUTING_ID, os.urandom(12))
+        if self.address.kind == "tcp" and ":" in self.address.host:
+            s.setsockopt(zmq.IPV6, 1)
         s.connect(self.address.zmq)
         self._sock = s
         return self._connect_hello(deadline)
