@@ -22,6 +22,7 @@ import re
 import secrets
 
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
+from vllm_kvplugin.server.config import ServerConfigError
 from vllm_kvplugin.server.protocol import PAYLOAD_ALIGN
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class SharedPool:
         sweep_stale_pools(shm_dir)
         st = os.statvfs(shm_dir)
         free = st.f_bavail * st.f_frsize
+        if prefault and free < size:
+            raise ServerConfigError(f"--l1-bytes {size} with --prefault: {shm_dir} has only {free} "
+                                    "bytes free")
         if free < size:
             logger.warning(
                 "%s has %d bytes free, less than the pool's %d (--l1-bytes): writers may get SIGBUS "
@@ -116,7 +120,11 @@ class SharedPool:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
             if prefault:  # allocate every page now: no first-touch cost, no SIGBUS when shm fills
-                os.posix_fallocate(fd, 0, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    raise ServerConfigError(f"--l1-bytes {size} with --prefault: cannot allocate the "
+                                            f"pool in {shm_dir} ({free} bytes free): {exc}") from None
             self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
