@@ -16,7 +16,8 @@ venv records what was installed); the plugin itself is rebuilt and reinstalled e
 time (not editable: its compiled op is built against each venv's torch).
 
 Environment knobs (all optional):
-  KVPLUGIN_PYTHON        interpreter for the venvs (default "3.11")
+  KVPLUGIN_PYTHON        interpreter for the venvs (default "3.11" when python3.11 is on
+                         PATH, else the interpreter running nox)
   KVPLUGIN_FIND_LINKS    extra --find-links dir with pre-downloaded wheels (e.g. /work/wheels)
   KVPLUGIN_TORCH_INDEX   index with +cpu torch builds, used when reachable
                          (default https://download.pytorch.org/whl/cpu; "" disables)
@@ -47,7 +48,9 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parent
 MATRIX = tomllib.loads((ROOT / "compat" / "matrix.toml").read_text())["vllm"]
 LEDGER = ROOT / "patches" / "ledger.toml"
-PYTHON = os.environ.get("KVPLUGIN_PYTHON", "3.11")
+# python3.11 where it exists (the local +cpu torch wheel here is cp311), else the
+# interpreter running nox
+PYTHON = os.environ.get("KVPLUGIN_PYTHON") or ("3.11" if shutil.which("python3.11") else sys.executable)
 NOX_DIR = ROOT / ".nox"
 SHARED_CACHE = NOX_DIR / ".kvplugin-cache"  # tiny models, shared by every session
 VLLM_CACHES = NOX_DIR / ".vllm-cache"  # one VLLM_CACHE_ROOT per vLLM version
@@ -265,19 +268,20 @@ def _pytest_args(session: nox.Session, default_paths: list[str]) -> list[str]:
     return posargs if names_paths else [*default_paths, *posargs]
 
 
-def _lane_env(entry: dict) -> dict[str, str]:
+def _lane_env(entry: dict, tests: bool = True) -> dict[str, str]:
     cache = VLLM_CACHES / entry["version"]
     cache.mkdir(parents=True, exist_ok=True)
     SHARED_CACHE.mkdir(parents=True, exist_ok=True)
     env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(cache),  # the model-info cache is rewritten per version
         "VLLM_KVPLUGIN_CACHE": str(SHARED_CACHE),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        "KVPLUGIN_EXPECT_INSTALLED": "1",  # tests/compat/test_installed.py
     }
+    if tests:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in-process: hooks visible to tests
+        env["KVPLUGIN_EXPECT_INSTALLED"] = "1"  # tests/compat/test_installed.py
     env.update({k: str(v) for k, v in entry.get("env", {}).items()})
     return env
 
@@ -399,6 +403,17 @@ def patches(session: nox.Session) -> None:
             failed.append(f"{path.name} on vLLM {version}: {res.stdout}{res.stderr}")
     if failed:
         session.error("\n".join(failed))
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["demo"], default=False)
+def demo(session: nox.Session) -> None:
+    """The demo (`vllm-kvplugin demo`) on the newest CPU lane's vLLM; args after -- go to it."""
+    entry = newest_cpu_entry()
+    with _step(session, f"vLLM {entry['version']} environment"):
+        _ensure_vllm_env(session, entry)
+    with _step(session, "plugin build + install"):
+        _install_plugin(session)
+    session.run("vllm-kvplugin", "demo", *session.posargs, env=_lane_env(entry, tests=False))
 
 
 @nox.session(python=False, tags=["gpu"], default=False)
