@@ -52,12 +52,20 @@ def engine(model: str, block_size: int, connector: dict | None, max_model_len: i
 
 
 def shutdown(llm) -> None:
-    from vllm.distributed import cleanup_dist_env_and_memory
-
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
     del llm
+    reset_vllm_globals()
+
+
+def reset_vllm_globals() -> None:
+    """What an in-process engine leaves behind, also one that failed to start: the
+    distributed state and the worker's global KV connector (vLLM's cleanup keeps it)."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
     gc.collect()
+    ensure_kv_transfer_shutdown()
     cleanup_dist_env_and_memory()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from harness import Probe, engine, generate, prompt, shutdown
+from harness import Probe, engine, generate, prompt, reset_vllm_globals, shutdown
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
@@ -200,9 +200,4 @@ def test_certification_failure_stops_the_engine(qwen3_model, monkeypatch):
         with pytest.raises(Exception, match="certification.*CPU_ATTN"):
             engine(qwen3_model, 32, {"chunk_size": 64})
     finally:
-        import gc
-
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        reset_vllm_globals()

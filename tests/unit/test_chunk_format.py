@@ -16,14 +16,14 @@ from vllm_kvplugin.chunk.format import (
     payload_checksum,
 )
 
-EXPECT = ChunkExpect(fingerprint=b"F" * 16, key=b"K" * 16, kind=1, dtype=torch.bfloat16,
+EXPECT = ChunkExpect(fingerprint=b"F" * 16, key=b"K" * 16, kind=1, dtype="bfloat16",
                      shape=(4, 2, 32, 2, 64), token_start=64, token_end=96, tp_size=2, tp_rank=1,
                      group_index=0)
 
 
 def _payload(seed=0) -> bytes:
     g = torch.Generator().manual_seed(seed)
-    t = torch.randn(EXPECT.shape, generator=g).to(EXPECT.dtype)
+    t = torch.randn(EXPECT.shape, generator=g).to(torch.bfloat16)
     return t.view(torch.uint8).numpy().tobytes()
 
 
@@ -38,7 +38,7 @@ def test_round_trip():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("fingerprint", b"G" * 16), ("key", b"J" * 16), ("kind", 2), ("dtype", torch.float16),
+    ("fingerprint", b"G" * 16), ("key", b"J" * 16), ("kind", 2), ("dtype", "float16"),
     ("shape", (4, 2, 32, 2, 128)), ("token_start", 0), ("tp_rank", 0), ("tp_size", 4), ("group_index", 1),
 ])
 def test_every_field_mismatch_is_a_header_mismatch(field, value):
@@ -87,3 +87,19 @@ def test_checksum_is_xxh3_of_payload():
     p = _payload(3)
     assert payload_checksum(p) == xxhash.xxh3_64_intdigest(p)
     assert payload_checksum(memoryview(p)) == payload_checksum(p)
+
+
+def test_dtype_names():
+    from vllm_kvplugin.chunk.format import dtype_name
+
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name("float8_e4m3fn") == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="complex64"):
+        dtype_name(torch.complex64)
+
+
+def test_format_module_does_not_need_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['torch'] = None; import vllm_kvplugin.chunk.format, vllm_kvplugin.chunk.keys"
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0

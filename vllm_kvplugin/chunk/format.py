@@ -15,14 +15,17 @@ Header (little-endian, :data:`HEADER_SIZE` bytes)::
 A reader checks the header against what it expects (:class:`ChunkExpect`)
 and the payload checksum before a byte reaches the KV cache; every mismatch
 has a reason name that becomes a ``load_failures`` counter.
+
+Torch-free: the cache server reads headers with this module.  Dtypes are named
+as torch names them without the ``torch.`` prefix (``dtype_name``).
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 import xxhash
 
 MAGIC = b"KVPC"
@@ -30,11 +33,20 @@ FORMAT_VERSION = 1
 _BODY = struct.Struct("<4sHHBBBBIIIIQQHHHH16s16sQQ")
 HEADER_SIZE = _BODY.size + 8  # + header checksum
 
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float16: 1, torch.bfloat16: 2, torch.float32: 3,
-    torch.float8_e4m3fn: 4, torch.float8_e5m2: 5, torch.uint8: 6,
+#: dtype name -> (header code, element size)
+DTYPES: dict[str, tuple[int, int]] = {
+    "float16": (1, 2), "bfloat16": (2, 2), "float32": (3, 4),
+    "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1), "uint8": (6, 1),
 }
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` (or ``"bfloat16"``) -> ``"bfloat16"``; raises for a dtype chunks cannot hold."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be stored in a chunk (supported: {sorted(DTYPES)})")
+    return name
 
 
 class ChunkError(Exception):
@@ -52,18 +64,18 @@ class ChunkExpect:
     fingerprint: bytes
     key: bytes
     kind: int
-    dtype: torch.dtype
+    dtype: str  # dtype_name()
     shape: tuple[int, int, int, int, int]  # L, KV, T, H, D
     token_start: int
     token_end: int
-    tp_size: int
+    tp_size: int  # ranks of the engine's model-parallel group
     tp_rank: int
     group_index: int
 
     @property
     def payload_nbytes(self) -> int:
         L, KV, T, H, D = self.shape
-        return L * KV * T * H * D * torch.empty((), dtype=self.dtype).element_size()
+        return L * KV * T * H * D * DTYPES[self.dtype][1]
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class ChunkHeader:
     fingerprint: bytes
     key: bytes
     kind: int
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, int, int, int, int]  # L, KV, T, H, D
     token_start: int
     token_end: int
@@ -92,7 +104,7 @@ class ChunkHeader:
     def pack(self) -> bytes:
         L, KV, T, H, D = self.shape
         body = _BODY.pack(
-            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.kind, DTYPE_CODES[self.dtype], KV, 0,
+            MAGIC, FORMAT_VERSION, HEADER_SIZE, self.kind, DTYPES[self.dtype][0], KV, 0,
             L, T, H, D, self.token_start, self.token_end, self.tp_size, self.tp_rank,
             self.group_index, 0, self.fingerprint, self.key, self.payload_nbytes, self.checksum)
         return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
@@ -112,9 +124,14 @@ class ChunkHeader:
         if xxhash.xxh3_64_intdigest(body) != hsum:
             raise ChunkError("header_checksum", "header bytes do not match their checksum")
         (_, _, _, kind, dcode, kv, _, L, T, H, D, start, end, tps, tpr, gi, _, fp, key, n, csum) = f
-        if dcode not in CODE_DTYPES:
+        if dcode not in _BY_CODE:
             raise ChunkError("header_mismatch", f"unknown dtype code {dcode}")
-        return cls(fp, key, kind, CODE_DTYPES[dcode], (L, kv, T, H, D), start, end, tps, tpr, gi, n, csum)
+        return cls(fp, key, kind, _BY_CODE[dcode], (L, kv, T, H, D), start, end, tps, tpr, gi, n, csum)
+
+    @property
+    def object_size(self) -> int:
+        """Header plus payload: the bytes of one stored object."""
+        return HEADER_SIZE + self.payload_nbytes
 
     def mismatch(self, expect: ChunkExpect) -> str | None:
         """The first field that differs from ``expect`` (None when all agree)."""

@@ -22,7 +22,7 @@ import torch
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.chunk.format import ChunkError, ChunkExpect, ChunkHeader, check_chunk
+from vllm_kvplugin.chunk.format import ChunkError, ChunkExpect, ChunkHeader, check_chunk, dtype_name
 from vllm_kvplugin.chunk.keys import model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import ChunkJob, KVPluginMetadata, KVPluginWorkerMeta
@@ -100,7 +100,7 @@ class WorkerSide:
 
     def _expect(self, layout: KVLayout, job: ChunkJob) -> ChunkExpect:
         start = job.chunk_index * self.chunk_size
-        return ChunkExpect(self.fingerprint, job.key, int(layout.kind), layout.dtype,
+        return ChunkExpect(self.fingerprint, job.key, int(layout.kind), dtype_name(layout.dtype),
                            layout.chunk_shape(self.chunk_size), start, start + self.chunk_size,
                            self.tp_size, self.tp_rank, layout.group_index)
 
