@@ -48,7 +48,7 @@ def _extensions():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0;10.0+PTX"
         ext = ce.CUDAExtension(
             "vllm_kvplugin._C",
-            sources + ["csrc/cuda/kvplugin_cuda.cu"],
+            sources + ["csrc/cuda/kvplugin_cuda.cu", "csrc/cuda/kvplugin_cuda_ops.cpp"],
             extra_compile_args={"cxx": cxx + ["-DKVPLUGIN_WITH_CUDA"],
                                 "nvcc": ["-O3", "-std=c++17", "-DKVPLUGIN_WITH_CUDA",
                                          "--use_fast_math", "-lineinfo"]},

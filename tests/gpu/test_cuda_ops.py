@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import zlib
 
+import _kvcases as K
 import pytest
 import torch
 
 from vllm_kvplugin import ops
 from vllm_kvplugin.layout.build import build_layout
 from vllm_kvplugin.layout.reference import reference_gather, reference_scatter
-
-import _kvcases as K
 
 pytestmark = [
     pytest.mark.gpu,
@@ -249,3 +248,22 @@ def test_opcheck(op):
                                         device="cuda"), gen)
     target = getattr(torch.ops.kvplugin, op).default
     torch.library.opcheck(target, (layers, slots, *_args(layout), chunk))
+
+
+def test_dma_ops_merge_adjacent_host_buffers():
+    """dma_to_host / dma_from_host: host tensors taken in order, adjacent ones in one copy."""
+    gen = torch.Generator().manual_seed(17)
+    C, n = 5, 4096 + 16
+    dev = K.random_bytes_(torch.empty((C, n), dtype=torch.uint8, device="cuda"), gen)
+    pool = K.random_bytes_(torch.empty((2 * C + 2, n), dtype=torch.uint8, pin_memory=True), gen)
+    hosts = [pool[i:i + 1] for i in (7, 0, 1, 2, 9)]
+    torch.ops.kvplugin.dma_to_host(dev, hosts)
+    torch.cuda.synchronize()
+    for c, h in enumerate(hosts):
+        assert torch.equal(h[0], dev[c].cpu())
+    back = torch.empty_like(dev)
+    torch.ops.kvplugin.dma_from_host(hosts, back)
+    torch.cuda.synchronize()
+    assert torch.equal(back, dev)
+    with pytest.raises(RuntimeError, match="bytes"):
+        torch.ops.kvplugin.dma_to_host(dev, hosts[:2])

@@ -8,6 +8,7 @@ other (with one adjacent pair, which the engine may copy in one DMA).
 
 from __future__ import annotations
 
+import _kvcases as K
 import pytest
 import torch
 
@@ -15,8 +16,6 @@ from vllm_kvplugin.layout.build import build_layout
 from vllm_kvplugin.layout.reference import _index, reference_gather, reference_scatter, token_view
 from vllm_kvplugin.transfer import engine_for
 from vllm_kvplugin.transfer.cuda import CudaTransfer
-
-import _kvcases as K
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,20 +3,30 @@
 Two paths, chosen per call from the direction and the byte count (never
 switched in the middle of a call, never a fallback after a failure):
 
-* **staged** (copy engine): a gather kernel packs all C chunks into a device
-  staging buffer, then large async DMAs (one per chunk, or one per run of
-  chunks whose host buffers are adjacent) move staging -> host; loads do the
-  reverse (H2D DMAs, then a scatter kernel).  The chunks are split in groups
-  of 1, 1, 2, 4, ... so the first DMA starts after one chunk's gather and the
-  kernels overlap the DMAs of earlier groups.
+* **staged** (copy engine): a gather kernel packs the chunks into a device
+  staging buffer, then async DMAs (one per chunk, or one per run of chunks
+  whose host buffers are adjacent) move staging -> host; loads do the reverse
+  (H2D DMAs, then a scatter kernel).  The chunks are split in groups of 1, 1,
+  2, 4, ... so the first DMA starts after one chunk's gather and the kernels
+  overlap the DMAs of earlier groups.  A DMA moves whole chunks, so in a
+  staged store the chunks with skipped tokens (slot -1: partial first/last
+  chunks) are written by the zero-copy kernel instead, which leaves the host
+  bytes of skipped tokens alone, as the contract says.
 * **zero-copy**: one kernel reads/writes the page-locked host buffers
   directly through their device mapping (unified addressing), with a capped
-  grid.  No staging and one launch: it wins for small transfers, where the
-  fixed costs of the staged path (several launches and DMA set-up) dominate.
+  grid.  No staging and one launch.
 
-The thresholds below were measured on an H200 (PCIe gen5 host link), see
-``benchmarks/NOTES.md`` and ``benchmarks/results/gpu-xfer-h200.json``; the
-constructor takes others.
+Thresholds, measured on an H200 over PCIe gen5 x16 (pinned copy ceiling
+55 GB/s; ``benchmarks/NOTES.md``, ``benchmarks/results/gpu-xfer-h200.json``):
+
+* load: zero-copy was faster than (or equal to) staged at every measured size
+  up to 32 MiB (131 kB chunks: 1.3 ms vs 1.9 ms for 32 MiB; 2.4 MB chunks: 0.89
+  vs 0.90 ms for 36 MiB); staged won at one 37.7 MB chunk (815 vs 848 us) and
+  above.  Threshold 32 MiB.
+* store: zero-copy was faster in isolation up to one 37.7 MB chunk too, but a
+  zero-copy store holds the next forward (:meth:`CudaTransfer.fence`) until its
+  bytes crossed the link, while a staged store releases the blocks after a
+  gather of a few microseconds.  Threshold 4 MiB (about 75 us of link time).
 
 Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
 
@@ -31,6 +41,10 @@ Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
 * A staging buffer is reused only after the DMA/kernel that last used it is
   done (device-side waits); a host buffer that a pending load still reads is
   not overwritten by a later store's DMA before that read.
+
+Staging buffers are allocated outside vLLM's memory profile: a staged call
+needs one device buffer of its own size (``max_staging_buffers`` of them at
+most, ``staging_cap_bytes`` beyond the first).
 """
 
 from __future__ import annotations
@@ -46,10 +60,10 @@ from vllm_kvplugin.layout.descriptor import KVLayout
 
 logger = logging.getLogger(__name__)
 
-#: at or below this many bytes a store uses the zero-copy kernel (measured)
-STORE_ZERO_COPY_MAX_BYTES = 2 << 20
-#: at or below this many bytes a load uses the zero-copy kernel (measured)
-LOAD_ZERO_COPY_MAX_BYTES = 2 << 20
+#: at or below this many bytes a store uses the zero-copy kernel (see the module doc)
+STORE_ZERO_COPY_MAX_BYTES = 4 << 20
+#: at or below this many bytes a load uses the zero-copy kernel (measured crossover)
+LOAD_ZERO_COPY_MAX_BYTES = 32 << 20
 #: grid cap of the zero-copy kernel: it runs at link speed, it need not hold every SM
 ZERO_COPY_MAX_CTAS = 64
 #: pipelining: at most this many gather/scatter launches per call
@@ -121,7 +135,7 @@ class CudaTransfer:
         self.device = device
         info = ops.load()
         # The choice of implementation happens here, once.
-        self.kernel = info.cuda == "CUDA kernel" and hasattr(torch.ops.kvplugin, "gather_multi")
+        self.kernel = info.cuda == "CUDA kernel" and hasattr(torch.ops.kvplugin, "dma_to_host")
         if self.kernel:
             self.name = "cuda"
             self.store_zc_max = store_zero_copy_max_bytes
@@ -240,6 +254,21 @@ class CudaTransfer:
             ops.scatter(layers, slots.to(self.device), layout.strides, layout.block_size,
                         layout.kernel_block_size, layout.num_blocks, src)
 
+    def _to_host(self, stage: torch.Tensor, bufs: Sequence[torch.Tensor]) -> None:
+        """DMAs on the current stream: one per run of adjacent host buffers."""
+        if self.kernel:
+            torch.ops.kvplugin.dma_to_host(stage, list(bufs))
+        else:
+            for i, j, host in _runs(bufs, 0, len(bufs)):
+                host.copy_(stage[i:j], non_blocking=True)
+
+    def _from_host(self, bufs: Sequence[torch.Tensor], stage: torch.Tensor) -> None:
+        if self.kernel:
+            torch.ops.kvplugin.dma_from_host(list(bufs), stage)
+        else:
+            for i, j, host in _runs(bufs, 0, len(bufs)):
+                stage[i:j].copy_(host, non_blocking=True)
+
     def _note_gather(self, ev: torch.cuda.Event) -> None:
         if len(self._pending_gathers) > 64:
             self._pending_gathers = [e for e in self._pending_gathers if not e.query()]
@@ -258,37 +287,62 @@ class CudaTransfer:
             return None
         slots = self._check(layout, slots, bufs)
         C, T = slots.shape
-        chunk_bytes = layout.chunk_nbytes(T)
-        nbytes = C * chunk_bytes
+        nbytes = C * layout.chunk_nbytes(T)
         with torch.cuda.device(self.device):
             ready = self._event(torch.cuda.current_stream(self.device))
             self._kern.wait_event(ready)
             if nbytes <= self.store_zc_max:
-                with torch.cuda.stream(self._kern):
-                    self._wait_host_reads(self._kern, bufs)
-                    self._gather(layout, layers, slots, list(bufs), self.zc_max_ctas)
-                    done = self._event(self._kern)
-                self._note_gather(done)
+                done = self._store_zero_copy(layout, layers, slots, bufs)
                 return StoreTicket(done, nbytes, "zero-copy")
-            staging = self._acquire(nbytes)
-            if staging.busy is not None:
-                self._kern.wait_event(staging.busy)
-            stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
-            gathered = None
-            for a, b in _groups(C):
-                with torch.cuda.stream(self._kern):
-                    self._gather(layout, layers, slots[a:b], [stage[a:b]], 0)
-                    gathered = self._event(self._kern)
-                self._d2h.wait_event(gathered)
-                with torch.cuda.stream(self._d2h):
-                    self._wait_host_reads(self._d2h, bufs[a:b])
-                    for i, j, host in _runs(bufs, a, b):
-                        host.copy_(stage[i:j], non_blocking=True)
-            assert gathered is not None
-            self._note_gather(gathered)
+            # A staged DMA moves whole chunks; a chunk with skipped tokens (-1) must keep
+            # the host bytes of those tokens, so the kernel writes it straight to the host.
+            partial = (slots < 0).any(dim=1)
+            zc_done = None
+            if self.kernel and bool(partial.any()):
+                pidx = partial.nonzero().flatten().tolist()
+                fidx = (~partial).nonzero().flatten().tolist()
+                zc_done = self._store_zero_copy(layout, layers, slots[pidx], [bufs[i] for i in pidx])
+                slots, bufs = slots[fidx], [bufs[i] for i in fidx]
+            if bufs:
+                self._store_staged(layout, layers, slots, bufs)
+            if zc_done is not None:
+                self._d2h.wait_event(zc_done)
             done = self._event(self._d2h)
-            staging.busy = done
             return StoreTicket(done, nbytes, "staged")
+
+    def _store_zero_copy(self, layout, layers, slots, bufs) -> torch.cuda.Event:
+        """One kernel writes the chunks into the host buffers (after ``ready``)."""
+        with torch.cuda.stream(self._kern):
+            self._wait_host_reads(self._kern, bufs)
+            self._gather(layout, layers, slots, list(bufs), self.zc_max_ctas)
+            done = self._event(self._kern)
+        self._note_gather(done)
+        return done
+
+    def _store_staged(self, layout, layers, slots, bufs) -> None:
+        """Gather into staging in groups, each group's DMAs queued as soon as it is gathered."""
+        C, T = slots.shape
+        nbytes = C * layout.chunk_nbytes(T)
+        staging = self._acquire(nbytes)
+        if staging.busy is not None:
+            self._kern.wait_event(staging.busy)
+        stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
+        if not self.kernel:  # torch path: skipped tokens keep their host bytes through staging
+            with torch.cuda.stream(self._kern):
+                for i in (slots < 0).any(dim=1).nonzero().flatten().tolist():
+                    stage[i:i + 1].copy_(bufs[i], non_blocking=True)
+        gathered = None
+        for a, b in _groups(C):
+            with torch.cuda.stream(self._kern):
+                self._gather(layout, layers, slots[a:b], [stage[a:b]], 0)
+                gathered = self._event(self._kern)
+            self._d2h.wait_event(gathered)
+            with torch.cuda.stream(self._d2h):
+                self._wait_host_reads(self._d2h, bufs[a:b])
+                self._to_host(stage[a:b], bufs[a:b])
+        assert gathered is not None
+        self._note_gather(gathered)
+        staging.busy = self._event(self._d2h)
 
     def done(self, ticket: StoreTicket | None) -> bool:
         return ticket is None or ticket.event.query()
@@ -330,13 +384,15 @@ class CudaTransfer:
                 if staging.busy is not None:
                     self._h2d.wait_event(staging.busy)
                 stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
-                for a, b in _groups(C):
-                    with torch.cuda.stream(self._h2d):
-                        for i, j, host in _runs(bufs, a, b):
-                            stage[i:j].copy_(host, non_blocking=True)
-                        copied = self._event(self._h2d)
-                    self._note_host_reads(bufs[a:b], copied)
-                    self._kern.wait_event(copied)
+                groups = _groups(C)
+                copied = []
+                with torch.cuda.stream(self._h2d):  # all DMAs first: the copy engine never waits
+                    for a, b in groups:
+                        self._from_host(bufs[a:b], stage[a:b])
+                        copied.append(self._event(self._h2d))
+                for (a, b), ev in zip(groups, copied):
+                    self._note_host_reads(bufs[a:b], ev)
+                    self._kern.wait_event(ev)
                     with torch.cuda.stream(self._kern):
                         self._scatter(layout, layers, slots[a:b], [stage[a:b]], 0)
                 done = self._event(self._kern)

@@ -1,0 +1,42 @@
+// Device side of kvplugin's CUDA ops: plain launchers, no torch types, no exceptions.
+//
+// The kernels live in kvplugin_cuda.cu (nvcc); everything that validates
+// arguments, raises errors, builds pointer tables and registers ops lives in
+// kvplugin_cuda_ops.cpp (host compiler), so no C++ exception ever unwinds
+// through nvcc-compiled frames.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvplugin {
+namespace cuda_impl {
+
+// One gather/scatter launch.  Chunk side: C chunks of L*KV*T*H rows of `vpr`
+// vectors of `vec_bytes` bytes, each chunk contiguous at chunk_ptrs[c].
+// Paged side: layer_ptrs[l] + tok_off[c*T + t] + h*s_head_b + kv*s_kv_b +
+// v*vstride_b; tok_off < 0 skips the token.
+struct MoveArgs {
+  char* const* layer_ptrs;  // device array [L]
+  char* const* chunk_ptrs;  // device array [C] (device-accessible addresses)
+  const int64_t* tok_off;   // device array [C * T], bytes
+  int64_t s_head_b, s_kv_b, vstride_b;
+  int64_t C, L, KV, T, H;
+  int64_t vpr;        // vectors per row
+  int vec_bytes;      // 16, 8, 4, 2 or 1
+  int64_t max_ctas;   // 0 = as many as the work needs
+};
+
+// n_vec per chunk must be < 2^31 (checked by the caller).
+cudaError_t launch_move(const MoveArgs& a, bool to_chunk, cudaStream_t stream) noexcept;
+
+// Validates n device slots (-1 <= s < limit) and writes byte offsets to tok_off
+// (-1 for skipped or invalid slots); first_bad[0] receives the smallest invalid
+// index (it must hold INT64_MAX before the launch).
+cudaError_t launch_prepare(const int64_t* slots, int64_t n, int64_t limit, int64_t block_size,
+                           int64_t kbs, int64_t sb_b, int64_t ss_b, int64_t st_b, int64_t* tok_off,
+                           int64_t* first_bad, cudaStream_t stream) noexcept;
+
+}  // namespace cuda_impl
+}  // namespace kvplugin

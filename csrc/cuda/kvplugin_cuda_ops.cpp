@@ -1,0 +1,388 @@
+// Host side of kvplugin's CUDA ops: checks, errors, pointer tables, DMAs and the
+// op registrations.  Compiled by the host compiler; the kernels are launched
+// through the exception-free launchers of kvplugin_cuda.cu.
+//
+//   kvplugin::gather / kvplugin::scatter (schema in ../kvplugin_ops.cpp): CUDA
+//     implementation.  Device slots are validated by a small kernel whose result
+//     is read back (one synchronization) before anything moves.
+//
+// Ops for the transfer engine (vllm_kvplugin/transfer/cuda.py), defined here:
+//
+//   gather_multi(Tensor[] kv_layers, Tensor slots, int[] strides, int block_size,
+//                int kernel_block_size, int num_blocks, Tensor(a!)[] outs,
+//                int max_ctas=0) -> ()
+//   scatter_multi(Tensor(a!)[] kv_layers, Tensor slots, ..., Tensor[] srcs,
+//                 int max_ctas=0) -> ()
+//     host slots [C, T], validated on the host (no device synchronization, so a
+//     store can be queued behind the forward that writes its blocks); chunk
+//     tensors [n_i, L, KV, T, H, D] with sum n_i = C, each on the cache's GPU
+//     or in page-locked host memory (zero-copy through its device mapping).
+//     max_ctas > 0 caps the grid.
+//   dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()
+//   dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()
+//     one cudaMemcpyAsync per run of adjacent host tensors, on the current
+//     stream, between a contiguous device tensor and host tensors taken in order.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <vector>
+
+#include "../kvplugin_ops.h"
+#include "kvplugin_cuda.h"
+
+namespace kvplugin {
+namespace {
+
+using cuda_impl::MoveArgs;
+
+struct Plan {
+  int W;              // vector bytes
+  int64_t vstride_b;  // paged bytes between the vectors of a row
+  int64_t vpr;        // vectors per row
+};
+
+bool aligned(int64_t x, int W) { return (static_cast<uint64_t>(x) % static_cast<uint64_t>(W)) == 0; }
+
+// Widest vector that every pointer and stride allows.
+Plan plan_vectors(const Geometry& g, const std::vector<int64_t>& layer_ptrs,
+                  const std::vector<int64_t>& chunk_ptrs) {
+  if (g.s_dim == 1) {
+    const int64_t row_bytes = g.D * g.esize;
+    for (int W = 16; W >= g.esize; W /= 2) {
+      bool ok = aligned(row_bytes, W);
+      for (int64_t s : {g.s_block, g.s_sub, g.s_tok, g.s_head, g.s_kv})
+        ok = ok && aligned(s * g.esize, W);
+      for (int64_t p : layer_ptrs) ok = ok && aligned(p, W);
+      for (int64_t p : chunk_ptrs) ok = ok && aligned(p, W);
+      if (ok) return Plan{W, W, row_bytes / W};
+    }
+  }
+  return Plan{static_cast<int>(g.esize), g.s_dim * g.esize, g.D};
+}
+
+// Copies host int64 values to the device on the current stream, through a
+// page-locked buffer (the caching host allocator keeps it until the copy ran).
+at::Tensor upload(const std::vector<int64_t>& values, const at::Device& device) {
+  auto host = at::empty({static_cast<int64_t>(values.size())},
+                        at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
+  return host.to(device, /*non_blocking=*/true);
+}
+
+std::vector<int64_t> layer_pointers(at::TensorList layers) {
+  std::vector<int64_t> out;
+  out.reserve(layers.size());
+  for (const auto& t : layers) out.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+  return out;
+}
+
+void launch(const char* op, const Geometry& g, const Plan& plan, const at::Tensor& table,
+            int64_t max_ctas, bool to_chunk) {
+  const int64_t n_vec = g.L * g.KV * g.T * g.H * plan.vpr;
+  TORCH_CHECK(n_vec < INT32_MAX && g.H < INT32_MAX && g.T < INT32_MAX, op,
+              ": one chunk is too large for the CUDA kernel (", n_vec, " vectors of ", plan.W,
+              " bytes)");
+  const int64_t* base = table.data_ptr<int64_t>();
+  MoveArgs a;
+  a.layer_ptrs = reinterpret_cast<char* const*>(base);
+  a.chunk_ptrs = reinterpret_cast<char* const*>(base + g.L);
+  a.tok_off = base + g.L + g.C;
+  a.s_head_b = g.s_head * g.esize;
+  a.s_kv_b = g.s_kv * g.esize;
+  a.vstride_b = plan.vstride_b;
+  a.C = g.C;
+  a.L = g.L;
+  a.KV = g.KV;
+  a.T = g.T;
+  a.H = g.H;
+  a.vpr = plan.vpr;
+  a.vec_bytes = plan.W;
+  a.max_ctas = max_ctas;
+  C10_CUDA_CHECK(cuda_impl::launch_move(a, to_chunk, c10::cuda::getCurrentCUDAStream()));
+}
+
+void check_layers_on(const char* op, at::TensorList layers, const at::Device& device) {
+  for (const auto& t : layers) {
+    TORCH_CHECK(t.is_cuda() && t.device() == device, op, ": every layer must be on ", device,
+                ", got ", t.device());
+  }
+}
+
+// ----------------------------------------------------------- gather / scatter
+
+template <bool kToChunk>
+void move_cuda(const char* op, at::TensorList layers, const at::Tensor& slots,
+               at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
+               int64_t num_blocks, const at::Tensor& chunk) {
+  const Geometry g = check_args(op, layers, slots, strides, block_size, kernel_block_size,
+                                num_blocks, chunk);
+  TORCH_CHECK(chunk.is_cuda(), op, ": chunk must be a CUDA tensor");
+  check_layers_on(op, layers, chunk.device());
+  c10::cuda::CUDAGuard guard(chunk.device());
+  const int64_t n = g.C * g.T;
+  if (n == 0 || chunk.numel() == 0) return;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  // 1. validate the slots and compute per-token byte offsets (one small kernel),
+  //    read the verdict back: nothing has moved yet
+  auto opts = chunk.options().dtype(at::kLong);
+  auto tok_off = at::empty({n}, opts);
+  auto first_bad = at::full({1}, INT64_MAX, opts);
+  C10_CUDA_CHECK(cuda_impl::launch_prepare(
+      slots.data_ptr<int64_t>(), n, num_blocks * block_size, block_size, kernel_block_size,
+      g.s_block * g.esize, g.s_sub * g.esize, g.s_tok * g.esize, tok_off.data_ptr<int64_t>(),
+      first_bad.data_ptr<int64_t>(), stream));
+  const int64_t bad = first_bad.item<int64_t>();
+  if (bad != INT64_MAX) {
+    const int64_t value = slots.reshape({-1}).select(0, bad).item<int64_t>();
+    TORCH_CHECK(false, op, ": slot ", value, " at index ", bad, " is outside the cache (",
+                num_blocks, " blocks of ", block_size, " tokens)");
+  }
+
+  // 2. pointer tables [layers L][chunks C][token offsets C*T] (offsets stay on the device)
+  auto lp = layer_pointers(layers);
+  std::vector<int64_t> cp(g.C);
+  const int64_t chunk_bytes = g.L * g.KV * g.T * g.H * g.D * g.esize;
+  char* base = static_cast<char*>(chunk.data_ptr());
+  for (int64_t c = 0; c < g.C; ++c) cp[c] = reinterpret_cast<int64_t>(base + c * chunk_bytes);
+  const Plan plan = plan_vectors(g, lp, cp);
+  std::vector<int64_t> ptrs(lp);
+  ptrs.insert(ptrs.end(), cp.begin(), cp.end());
+  auto table = at::empty({g.L + g.C + n}, opts);
+  table.narrow(0, 0, g.L + g.C).copy_(upload(ptrs, chunk.device()));
+  table.narrow(0, g.L + g.C, n).copy_(tok_off);
+  launch(op, g, plan, table, 0, kToChunk);
+}
+
+void gather_cuda(at::TensorList kv_layers, const at::Tensor& slots, at::IntArrayRef strides,
+                 int64_t block_size, int64_t kernel_block_size, int64_t num_blocks,
+                 const at::Tensor& out) {
+  move_cuda<true>("kvplugin::gather", kv_layers, slots, strides, block_size, kernel_block_size,
+                  num_blocks, out);
+}
+
+void scatter_cuda(at::TensorList kv_layers, const at::Tensor& slots, at::IntArrayRef strides,
+                  int64_t block_size, int64_t kernel_block_size, int64_t num_blocks,
+                  const at::Tensor& src) {
+  move_cuda<false>("kvplugin::scatter", kv_layers, slots, strides, block_size, kernel_block_size,
+                   num_blocks, src);
+}
+
+// --------------------------------------------------- gather_multi / scatter_multi
+
+// The checks of check_args (same rules, same messages), for host slots and a
+// list of chunk tensors; plain integer work, no tensor allocation.
+Geometry multi_geometry(const char* op, at::TensorList layers, const at::Tensor& slots,
+                        at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
+                        int64_t num_blocks, at::TensorList chunks) {
+  TORCH_CHECK(!chunks.empty(), op, ": no chunk tensors");
+  const auto& first = chunks[0];
+  TORCH_CHECK(first.dim() == 6, op, ": chunk tensors must be [n, L, KV, T, H, D], got ",
+              first.sizes());
+  int64_t C = 0;
+  for (const auto& t : chunks) {
+    TORCH_CHECK(t.dim() == 6 && t.sizes().slice(1).equals(first.sizes().slice(1)), op,
+                ": chunk tensors disagree: ", t.sizes(), " vs ", first.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, ": chunk tensors must be contiguous");
+    TORCH_CHECK(t.scalar_type() == first.scalar_type(), op, ": chunk dtypes differ");
+    C += t.size(0);
+  }
+  TORCH_CHECK(strides.size() == 6, op, ": strides must be [block, sub, tok, head, kv, dim], got ",
+              strides.size(), " values");
+  TORCH_CHECK(kernel_block_size > 0 && block_size > 0 && block_size % kernel_block_size == 0, op,
+              ": block_size ", block_size, " must be a positive multiple of kernel_block_size ",
+              kernel_block_size);
+  TORCH_CHECK(num_blocks > 0, op, ": num_blocks must be > 0, got ", num_blocks);
+  Geometry g;
+  g.C = C;
+  g.L = first.size(1);
+  g.KV = first.size(2);
+  g.T = first.size(3);
+  g.H = first.size(4);
+  g.D = first.size(5);
+  TORCH_CHECK(g.KV == 1 || g.KV == 2, op, ": KV dim must be 1 or 2, got ", g.KV);
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == g.L, op, ": ", layers.size(),
+              " layers given for a chunk of L=", g.L);
+  TORCH_CHECK(slots.device().is_cpu(), op, ": slots must be a CPU tensor (validated on the host)");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, op, ": slots must be int64");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == g.C && slots.size(1) == g.T, op,
+              ": slots must be [C, T] = [", g.C, ", ", g.T, "], got ", slots.sizes());
+  TORCH_CHECK(slots.is_contiguous(), op, ": slots must be contiguous");
+  TORCH_CHECK(layers[0].is_cuda(), op, ": layers must be CUDA tensors");
+  for (const auto& t : layers) {
+    TORCH_CHECK(t.scalar_type() == first.scalar_type(), op, ": layer dtype ", t.scalar_type(),
+                " != chunk dtype ", first.scalar_type());
+    TORCH_CHECK(t.device() == layers[0].device(), op, ": layers on different devices");
+  }
+  g.s_block = strides[0];
+  g.s_sub = strides[1];
+  g.s_tok = strides[2];
+  g.s_head = strides[3];
+  g.s_kv = strides[4];
+  g.s_dim = strides[5];
+  g.block_size = block_size;
+  g.kbs = kernel_block_size;
+  g.num_blocks = num_blocks;
+  g.esize = first.element_size();
+  for (int64_t st : strides) TORCH_CHECK(st >= 0, op, ": negative stride ", st, " in ", strides);
+  const int64_t r = block_size / kernel_block_size;
+  const int64_t reach = (num_blocks - 1) * g.s_block + (r - 1) * g.s_sub +
+                        (kernel_block_size - 1) * g.s_tok + (g.H - 1) * g.s_head +
+                        (g.KV - 1) * g.s_kv + (g.D - 1) * g.s_dim;
+  for (const auto& t : layers) {
+    const int64_t avail =
+        static_cast<int64_t>(t.storage().nbytes()) / g.esize - t.storage_offset();
+    TORCH_CHECK(reach < avail, op, ": strides ", strides, " reach element ", reach,
+                " but the layer holds ", avail, " elements from its start");
+  }
+  return g;
+}
+
+// Device-accessible address of a chunk tensor: the tensor itself on the cache's
+// GPU, or the device mapping of page-locked host memory (zero-copy).
+int64_t device_address(const char* op, const at::Tensor& t, const at::Device& device) {
+  if (t.is_cuda()) {
+    TORCH_CHECK(t.device() == device, op, ": chunk tensor on ", t.device(),
+                " but the cache is on ", device);
+    return reinterpret_cast<int64_t>(t.data_ptr());
+  }
+  TORCH_CHECK(t.device().is_cpu(), op, ": chunk tensors must be CUDA or page-locked CPU tensors");
+  cudaPointerAttributes attr;
+  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, t.data_ptr()));
+  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op,
+              ": host chunk tensor is not page-locked and mapped for the device (zero-copy "
+              "needs pinned memory)");
+  return reinterpret_cast<int64_t>(attr.devicePointer);
+}
+
+template <bool kToChunk>
+void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
+                at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
+                int64_t num_blocks, at::TensorList chunks, int64_t max_ctas) {
+  TORCH_CHECK(!layers.empty(), op, ": no layers");
+  const Geometry g = multi_geometry(op, layers, slots, strides, block_size, kernel_block_size,
+                                    num_blocks, chunks);
+  const at::Device device = layers[0].device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t n = g.C * g.T;
+  if (n == 0 || g.L * g.KV * g.H * g.D == 0) return;
+
+  // every slot checked on the host before anything is issued
+  std::vector<int64_t> table = layer_pointers(layers);
+  table.reserve(g.L + g.C + n);
+  const int64_t chunk_bytes = g.L * g.KV * g.T * g.H * g.D * g.esize;
+  for (const auto& t : chunks) {
+    const int64_t addr = device_address(op, t, device);
+    for (int64_t i = 0; i < t.size(0); ++i) table.push_back(addr + i * chunk_bytes);
+  }
+  const std::vector<int64_t> lp(table.begin(), table.begin() + g.L);
+  const std::vector<int64_t> cp(table.begin() + g.L, table.end());
+  const Plan plan = plan_vectors(g, lp, cp);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t limit = num_blocks * block_size;
+  const int64_t sb = g.s_block * g.esize, ss = g.s_sub * g.esize, st = g.s_tok * g.esize;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = s[i];
+    TORCH_CHECK(v >= -1 && v < limit, op, ": slot ", v, " at index ", i,
+                " is outside the cache (", num_blocks, " blocks of ", block_size, " tokens)");
+    if (v < 0) {
+      table.push_back(-1);
+    } else {
+      const int64_t b = v / block_size, t = v - b * block_size;
+      const int64_t sub = t / kernel_block_size;
+      table.push_back(b * sb + sub * ss + (t - sub * kernel_block_size) * st);
+    }
+  }
+  launch(op, g, plan, upload(table, device), max_ctas, kToChunk);
+}
+
+void gather_multi_cuda(at::TensorList kv_layers, const at::Tensor& slots,
+                       at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
+                       int64_t num_blocks, at::TensorList outs, int64_t max_ctas) {
+  move_multi<true>("kvplugin::gather_multi", kv_layers, slots, strides, block_size,
+                   kernel_block_size, num_blocks, outs, max_ctas);
+}
+
+void scatter_multi_cuda(at::TensorList kv_layers, const at::Tensor& slots,
+                        at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
+                        int64_t num_blocks, at::TensorList srcs, int64_t max_ctas) {
+  move_multi<false>("kvplugin::scatter_multi", kv_layers, slots, strides, block_size,
+                    kernel_block_size, num_blocks, srcs, max_ctas);
+}
+
+// ------------------------------------------------------------------------ DMAs
+
+template <bool kToHost>
+void dma(const char* op, const at::Tensor& dev, at::TensorList hosts) {
+  TORCH_CHECK(dev.is_cuda() && dev.is_contiguous(), op, ": device tensor must be contiguous CUDA");
+  int64_t total = 0;
+  for (const auto& h : hosts) {
+    TORCH_CHECK(h.device().is_cpu() && h.is_contiguous(), op,
+                ": host tensors must be contiguous CPU tensors");
+    total += static_cast<int64_t>(h.nbytes());
+  }
+  TORCH_CHECK(total == static_cast<int64_t>(dev.nbytes()), op, ": host tensors hold ", total,
+              " bytes, the device tensor ", dev.nbytes());
+  c10::cuda::CUDAGuard guard(dev.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  char* d = static_cast<char*>(dev.data_ptr());
+  size_t off = 0;
+  const size_t n = hosts.size();
+  for (size_t i = 0; i < n;) {
+    char* h = static_cast<char*>(hosts[i].data_ptr());
+    size_t bytes = hosts[i].nbytes();
+    size_t j = i + 1;
+    while (j < n && hosts[j].nbytes() > 0 && static_cast<char*>(hosts[j].data_ptr()) == h + bytes) {
+      bytes += hosts[j].nbytes();
+      ++j;
+    }
+    if (bytes > 0) {
+      if (kToHost) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(h, d + off, bytes, cudaMemcpyDeviceToHost, stream));
+      } else {
+        C10_CUDA_CHECK(cudaMemcpyAsync(d + off, h, bytes, cudaMemcpyHostToDevice, stream));
+      }
+    }
+    off += bytes;
+    i = j;
+  }
+}
+
+void dma_to_host_cuda(const at::Tensor& src, at::TensorList dsts) {
+  dma<true>("kvplugin::dma_to_host", src, dsts);
+}
+
+void dma_from_host_cuda(at::TensorList srcs, const at::Tensor& dst) {
+  dma<false>("kvplugin::dma_from_host", dst, srcs);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvplugin, m) {
+  m.def(
+      "gather_multi(Tensor[] kv_layers, Tensor slots, int[] strides, int block_size, "
+      "int kernel_block_size, int num_blocks, Tensor(a!)[] outs, int max_ctas=0) -> ()");
+  m.def(
+      "scatter_multi(Tensor(a!)[] kv_layers, Tensor slots, int[] strides, int block_size, "
+      "int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0) -> ()");
+  m.def("dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()");
+  m.def("dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvplugin, CUDA, m) {
+  m.impl("gather", &gather_cuda);
+  m.impl("scatter", &scatter_cuda);
+  m.impl("gather_multi", &gather_multi_cuda);
+  m.impl("scatter_multi", &scatter_multi_cuda);
+  m.impl("dma_to_host", &dma_to_host_cuda);
+  m.impl("dma_from_host", &dma_from_host_cuda);
+}
+
+}  // namespace kvplugin
