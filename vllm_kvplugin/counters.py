@@ -3,12 +3,17 @@
 Two counter sets, one per connector role, so that an engine running scheduler
 and worker in one process never reports a counter twice:
 
-* scheduler: ``lookup_requests``, ``lookup_tokens``, ``hit_tokens``,
+* scheduler: ``lookup_requests``, ``lookup_tokens``, ``hit_tokens``
+  (of which ``server_hit_tokens`` come from the cache server),
   ``planned_load_tokens``, ``planned_load_bytes``, ``evicted_bytes``,
-  ``store_skipped_chunks``;
+  ``store_skipped_chunks``, ``server_lookup_errors``, and for the cache server
+  the hit accounting against the transfer accounting: ``server_planned_bytes``
+  (objects the plans read) vs ``server_served_bytes`` (what the server says
+  the workers resolved), with ``server_bytes_mismatches`` counting leases
+  where they differ;
 * worker: ``loaded_tokens``, ``loaded_bytes``, ``stored_tokens``,
-  ``stored_bytes``, ``load_seconds``, ``store_seconds`` and
-  ``load_failures`` (a dict: reason -> count).
+  ``stored_bytes``, ``load_seconds``, ``store_seconds``,
+  ``server_store_errors`` and ``load_failures`` (a dict: reason -> count).
 
 Each connector hands vLLM the *delta* of its own set every step
 (:meth:`Counters.take_delta`), which vLLM aggregates over ranks and feeds to
@@ -23,12 +28,13 @@ from collections import defaultdict
 from typing import Any
 
 SCHEDULER_FIELDS = (
-    "lookup_requests", "lookup_tokens", "hit_tokens", "planned_load_tokens",
-    "planned_load_bytes", "evicted_bytes", "store_skipped_chunks",
+    "lookup_requests", "lookup_tokens", "hit_tokens", "server_hit_tokens", "planned_load_tokens",
+    "planned_load_bytes", "evicted_bytes", "store_skipped_chunks", "server_lookup_errors",
+    "server_planned_bytes", "server_served_bytes", "server_bytes_mismatches",
 )
 WORKER_FIELDS = (
     "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",
-    "load_seconds", "store_seconds",
+    "load_seconds", "store_seconds", "server_store_errors",
 )
 FAILURES = "load_failures"
 

@@ -8,7 +8,16 @@
   half, overwrites every KV block with noise on demand, and overwrites the
   target tokens of every load with noise (through the independent layout
   reference) right before the load, so a claimed load that wrote nothing
-  cannot produce the right output.
+  cannot produce the right output.  It also reads (through the reference) the
+  KV of every chunk right after the forward that computed it, and the KV the
+  load left in the target blocks: they must be byte-identical.
+
+Exact recompute: vLLM's CPU attention is not batch-invariant (a prompt prefilled
+in one step and the same prompt's tail computed after a hit can differ in the
+last bits; vLLM's own ExampleConnector shows the same).  With a token budget of
+one chunk per step (``budget``), the cold run's last prefill step computes
+exactly the tokens a hit leaves to compute, so a correct load reproduces the
+recompute bit for bit, and any wrong KV byte shows.
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor, for exact comparison (NaN == NaN, -0 != +0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 @dataclass
 class Result:
     token_ids: list[int]
@@ -38,7 +52,7 @@ def prompt(length: int, seed: int, vocab: int = 4000) -> list[int]:
 
 
 def engine(model: str, block_size: int, connector: dict | None, max_model_len: int = 20_000,
-           kv_bytes: int = 256 << 20, **kw):
+           kv_bytes: int = 256 << 20, budget: int | None = None, **kw):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -46,6 +60,8 @@ def engine(model: str, block_size: int, connector: dict | None, max_model_len: i
     if connector is not None:
         ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
                                kv_connector_extra_config=connector)
+    if budget is not None:
+        kw.update(max_num_batched_tokens=budget, max_num_seqs=min(8, budget))
     return LLM(model=model, enable_prefix_caching=False, max_model_len=max_model_len,
                enforce_eager=True, kv_cache_memory_bytes=kv_bytes, block_size=block_size,
                kv_transfer_config=ktc, seed=0, **kw)
@@ -85,17 +101,19 @@ class Probe:
         self.poison_loads = True
         self.skip_loads = False  # negative control: claim the hit, write nothing
         self.loads: list[tuple[str, int]] = []  # (request id, tokens poisoned)
-        self._undo: list = []
+        self.cold_kv: dict[tuple[int, bytes], torch.Tensor] = {}  # (group, chunk key) -> KV after compute
+        self.kv_checked = 0  # loaded chunks compared with their computed KV
+        self.kv_mismatches: list[tuple[str, int]] = []  # (request id, chunk index)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Probe]:
         from vllm_kvplugin.connector import worker as wmod
 
         probe = self
-        orig_register, orig_load = wmod.WorkerSide.register, wmod.WorkerSide.start_load
+        orig = wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store
 
         def register(ws, kv_caches):
-            orig_register(ws, kv_caches)
+            orig[0](ws, kv_caches)
             probe.worker = ws
 
         def start_load(ws, meta):
@@ -104,13 +122,50 @@ class Probe:
                 probe.loads.append((req.req_id, n))
             if probe.skip_loads:
                 return
-            orig_load(ws, meta)
+            orig[1](ws, meta)
+            for req in meta.loads:
+                probe._compare_loaded(ws, req)
 
-        wmod.WorkerSide.register, wmod.WorkerSide.start_load = register, start_load
+        def store(ws, meta):
+            for req in meta.stores:
+                probe._capture(ws, req.jobs)
+            orig[2](ws, meta)
+
+        wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store = register, start_load, store
         try:
             yield self
         finally:
-            wmod.WorkerSide.register, wmod.WorkerSide.start_load = orig_register, orig_load
+            wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store = orig
+
+    @staticmethod
+    def _read(ws, layout, layers, jobs) -> torch.Tensor:
+        from vllm_kvplugin.layout.reference import reference_gather
+
+        slots = ws._slots(layout, jobs)
+        out = torch.zeros((slots.shape[0], *layout.chunk_shape(slots.shape[1])), dtype=layout.dtype)
+        reference_gather(layout, layers, slots, out)
+        return out
+
+    def _capture(self, ws, jobs) -> None:
+        """The KV of each completed chunk, read through the reference right after its forward."""
+        for layout, layers in zip(ws.layouts, ws.layers):
+            kv = self._read(ws, layout, layers, jobs)
+            for job, t in zip(jobs, kv):
+                self.cold_kv[(layout.group_index, job.key)] = t.clone()
+
+    def _compare_loaded(self, ws, req) -> None:
+        """What the load left in the target blocks vs the KV computed for those tokens."""
+        for layout, layers in zip(ws.layouts, ws.layers):
+            kv = self._read(ws, layout, layers, req.jobs)
+            for job, t in zip(req.jobs, kv):
+                want = self.cold_kv.get((layout.group_index, job.key))
+                if want is None:
+                    continue
+                end = job.take if job.take >= 0 else t.shape[2]
+                if torch.equal(bits(t[:, :, job.skip:end]), bits(want[:, :, job.skip:end])):
+                    self.kv_checked += 1
+                else:
+                    self.kv_mismatches.append((req.req_id, job.chunk_index))
 
     @staticmethod
     def _poison_targets(ws, jobs) -> int:

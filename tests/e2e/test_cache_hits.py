@@ -51,10 +51,10 @@ CONFIGS = [
 ]
 
 
-def _baseline(model: str, block: int, batches: list[list[list[int]]]) -> list[list[int]]:
+def _baseline(model: str, block: int, batches: list[list[list[int]]], budget: int, **kw) -> list[list[int]]:
     """Outputs of an engine without the connector, batch by batch as the test sends them
-    (batching changes the prefill schedule, hence bf16 rounding)."""
-    llm = engine(model, block, None)
+    and with the same token budget (both change the prefill schedule, hence bf16 rounding)."""
+    llm = engine(model, block, None, budget=budget, **kw)
     try:
         return [r.token_ids for batch in batches for r in generate(llm, batch)]
     finally:
@@ -67,10 +67,10 @@ def test_hit_is_identical_to_recompute(cfg: Config, request):
     lengths = cfg.lengths()
     prompts = [prompt(n, seed=n) for n in lengths]
     unseen = prompt(3 * cfg.chunk + 7, seed=999_999)
-    want = _baseline(model, cfg.block, [[p] for p in prompts] + [[unseen]])
+    want = _baseline(model, cfg.block, [[p] for p in prompts] + [[unseen]], budget=cfg.chunk)
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(model, cfg.block, {"chunk_size": cfg.chunk, "cpu_bytes": 1 << 30})
+        llm = engine(model, cfg.block, {"chunk_size": cfg.chunk, "cpu_bytes": 1 << 30}, budget=cfg.chunk)
         try:
             bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
             problems = []
@@ -93,6 +93,7 @@ def test_hit_is_identical_to_recompute(cfg: Config, request):
                 if not all(got.values()):
                     problems.append((n, {k: v for k, v in got.items() if not v}, warm.num_cached_tokens, hit))
             assert not problems, f"{cfg.id}: (length, failed checks, num_cached_tokens, planned) {problems}"
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
             assert generate(llm, [unseen])[0].token_ids == want[-1], "a never-seen prompt after the hits"
             assert vllm_kvplugin.stats()["load_failures"] == {}
         finally:
@@ -102,9 +103,9 @@ def test_hit_is_identical_to_recompute(cfg: Config, request):
 def test_skipped_load_is_caught(qwen3_model):
     """Negative control: claiming the hit without writing the blocks changes the output."""
     p = prompt(700, seed=1)
-    want = _baseline(qwen3_model, 32, [[p]])[0]
+    want = _baseline(qwen3_model, 32, [[p]], budget=64)[0]
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, 32, {"chunk_size": 64})
+        llm = engine(qwen3_model, 32, {"chunk_size": 64}, budget=64)
         try:
             assert generate(llm, [p])[0].token_ids == want
             probe.poison_all_blocks()
@@ -122,10 +123,10 @@ def test_shared_prefix_in_one_batch(qwen3_model):
     prefix = prompt(4 * chunk, seed=5)
     cold = [prefix + prompt(40 + 30 * i, seed=10 + i) for i in range(3)]
     warm = [prefix + prompt(90, seed=20 + i) for i in range(2)]
-    want = _baseline(qwen3_model, 32, [cold, warm])
+    want = _baseline(qwen3_model, 32, [cold, warm], budget=chunk)
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, 32, {"chunk_size": chunk})
+        llm = engine(qwen3_model, 32, {"chunk_size": chunk}, budget=chunk)
         try:
             got = generate(llm, cold)
             assert [r.token_ids for r in got] == want[:3]
@@ -145,11 +146,11 @@ def test_eviction_under_budget_keeps_serving_correctly(qwen3_model):
     """A budget of a few chunks: LRU eviction, counters, and still identical outputs."""
     chunk = 64
     prompts = [prompt(6 * chunk + 5, seed=40 + i) for i in range(4)]
-    want = _baseline(qwen3_model, 32, [[p] for p in prompts])
+    want = _baseline(qwen3_model, 32, [[p] for p in prompts], budget=chunk)
     counters.STATS.reset()
     with Probe().installed() as probe:
         bytes_per_chunk = 2048 * chunk  # tiny Qwen3: 4 layers x K,V x 2 heads x 64 x bf16
-        llm = engine(qwen3_model, 32, {"chunk_size": chunk, "cpu_bytes": 8 * bytes_per_chunk})
+        llm = engine(qwen3_model, 32, {"chunk_size": chunk, "cpu_bytes": 8 * bytes_per_chunk}, budget=chunk)
         try:
             assert probe.worker.pool.num_slots == 8
             for p, w in zip(prompts, want):

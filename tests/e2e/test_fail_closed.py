@@ -97,7 +97,7 @@ def baseline(qwen3_model, prompts):
 
     names = list(prompts)
     after = prompt(LEN, seed=7)
-    outs = _baseline(qwen3_model, 32, [[prompts[n]] for n in names] + [[after]])
+    outs = _baseline(qwen3_model, 32, [[prompts[n]] for n in names] + [[after]], budget=CHUNK)
     return dict(zip(names, outs)), after, outs[-1]
 
 
@@ -105,7 +105,7 @@ def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monke
     want, after_prompt, after_want = baseline
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK})
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK}, budget=CHUNK)
         try:
             for reason, inject in CASES.items():
                 p = prompts[reason]

@@ -154,16 +154,23 @@ def model_identity(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     }
 
 
-def parallel_sizes(vllm_config: Any) -> tuple[int, int]:
-    """(tensor-parallel size, world size) of the engine."""
+def model_parallel_world(vllm_config: Any) -> int:
+    """Workers of one engine that each hold a slice of the KV cache (tensor x pipeline parallel)."""
     pc = vllm_config.parallel_config
-    return int(pc.tensor_parallel_size), int(pc.world_size)
+    return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
 
 
-def tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def model_parallel_rank(vllm_config: Any) -> tuple[int, int]:
+    """(rank, world) of this worker in the engine's tensor x pipeline parallel group.
 
-    return int(get_tensor_model_parallel_rank())
+    Each rank holds a different slice of the KV cache (heads or layers), so a
+    chunk object belongs to one rank of one world size.
+    """
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    pc = vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    return int(get_pp_group().rank_in_group) * tp + int(get_tensor_model_parallel_rank()), tp * pp
 
 
 def is_cuda_alike() -> bool:

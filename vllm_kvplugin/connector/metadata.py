@@ -13,11 +13,15 @@ from vllm_kvplugin.adapters.api import KVConnectorMetadata, KVConnectorWorkerMet
 
 @dataclass
 class ChunkJob:
-    """Move one chunk between the paged cache and a tier location.
+    """Move one chunk between the paged cache and its tier locations.
 
     ``block_ids[g]`` are group ``g``'s blocks covering the chunk's tokens.
     Tokens ``[skip, take)`` of the chunk are moved; the rest is left alone
     (already computed by vLLM, or past the planned end).
+
+    Where: ``slot`` is a local CPU tier slot (-1: none).  A load with a
+    ``lease`` reads the chunk from the cache server under that lease; a store
+    with ``to_server`` also writes it to the server.
     """
 
     key: bytes
@@ -26,6 +30,8 @@ class ChunkJob:
     block_ids: tuple[tuple[int, ...], ...]
     skip: int = 0
     take: int = -1  # -1: to the end of the chunk
+    lease: int = 0
+    to_server: bool = False
 
 
 @dataclass

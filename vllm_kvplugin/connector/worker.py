@@ -22,15 +22,28 @@ import torch
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.chunk.format import ChunkError, ChunkExpect, ChunkHeader, check_chunk, dtype_name
+from vllm_kvplugin.chunk.format import (
+    HEADER_SIZE,
+    ChunkError,
+    ChunkExpect,
+    ChunkHeader,
+    check_chunk,
+    dtype_name,
+)
 from vllm_kvplugin.chunk.keys import model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import ChunkJob, KVPluginMetadata, KVPluginWorkerMeta
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
+from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
 
 logger = logging.getLogger(__name__)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def token_slots(block_ids: Sequence[int], block_size: int, chunk_size: int, skip: int = 0,
@@ -59,22 +72,22 @@ class WorkerSide:
         self.vllm_version = vllm_version
         self.chunk_size = cfg.chunk_size
         self.fingerprint = model_fingerprint(_common.model_identity(vllm_config, cfg.model_id))
-        self.tp_size, _ = _common.parallel_sizes(vllm_config)
-        self.tp_rank = 0
+        self.rank, self.world = 0, _common.model_parallel_world(vllm_config)
+        self.server: ServerStore | None = None
         self.layouts: list[KVLayout] = []
         self.layers: list[list[torch.Tensor]] = []
         self.pool: LocalPool | None = None
         self.device = torch.device("cpu")
         self._invalid_blocks: set[int] = set()
         self._meta = KVPluginWorkerMeta()
-        self._pending_stores: list[tuple[list[Any], list[ChunkJob], float]] = []
+        self._pending_stores: list[tuple[list[Any], list[ChunkJob], list, float]] = []
         self._bytes_per_token = 0
         self.engine: TransferEngine | None = None
 
     # ------------------------------------------------------------- registration
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Build and certify one layout per group, then allocate the pool (start-up errors raise)."""
-        self.tp_rank = _common.tp_rank()
+        self.rank, self.world = _common.model_parallel_rank(self.vllm_config)
         sources = self.adapter.describe_groups(self.vllm_config, self.kv_cache_config, kv_caches,
                                                self.vllm_version)
         expected = _common.group_infos(self.kv_cache_config)
@@ -86,7 +99,7 @@ class WorkerSide:
                     f"token but the KV cache spec implies {info.bytes_per_token()}")
             if self.cfg.certify:
                 certify(layout, layers)
-            logger.info("vllm-kvplugin worker %d: %s", self.tp_rank, layout.describe())
+            logger.info("vllm-kvplugin worker %d/%d: %s", self.rank, self.world, layout.describe())
             self.layouts.append(layout)
             self.layers.append(layers)
         self.device = self.layers[0][0].device
@@ -97,12 +110,14 @@ class WorkerSide:
         pin = self.device.type == "cuda"
         self.pool = LocalPool([lay.chunk_shape(self.chunk_size) for lay in self.layouts],
                               [lay.dtype for lay in self.layouts], num_slots, pin_memory=pin)
+        if self.cfg.server:
+            self.server = ServerStore(self.cfg, self.rank, self.world, f"worker{self.rank}", pin_for_cuda=pin)
 
     def _expect(self, layout: KVLayout, job: ChunkJob) -> ChunkExpect:
         start = job.chunk_index * self.chunk_size
         return ChunkExpect(self.fingerprint, job.key, int(layout.kind), dtype_name(layout.dtype),
                            layout.chunk_shape(self.chunk_size), start, start + self.chunk_size,
-                           self.tp_size, self.tp_rank, layout.group_index)
+                           self.world, self.rank, layout.group_index)
 
     def _slots(self, layout: KVLayout, jobs: Sequence[ChunkJob]) -> torch.Tensor:
         """``[C, T]`` paged slots of ``jobs`` in ``layout``'s group."""
@@ -114,11 +129,11 @@ class WorkerSide:
         """Verify, then scatter every planned chunk; failures become invalid blocks."""
         for req in meta.loads:
             t0 = time.perf_counter()
-            good, reason = self._verify(req.req_id, req.jobs)
             moved = [0] * len(self.layouts)
             try:
+                bufs, good, reason = self._sources(req.req_id, req.jobs)
                 if good:
-                    self._load_jobs(req.jobs[:good], moved)
+                    self._load_jobs(req.jobs[:good], bufs, moved)
                 if reason is None and tuple(moved) != tuple(req.expected_bytes):
                     good, reason = 0, "byte_mismatch"
                     logger.warning("vllm-kvplugin: %s moved %s bytes, planned %s; recomputing",
@@ -134,82 +149,166 @@ class WorkerSide:
                 block_size = self.layouts[0].block_size
                 for job in req.jobs[good:]:
                     self._invalid_blocks.update(job.block_ids[0][job.skip // block_size:])
-                    self._meta.load_failed.setdefault(job.slot, reason)
+                    if job.slot >= 0:
+                        self._meta.load_failed.setdefault(job.slot, reason)
             self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
 
-    def _verify(self, req_id: str, jobs: Sequence[ChunkJob]) -> tuple[int, str | None]:
-        """How many leading jobs hold valid chunks, and why the next one does not."""
-        assert self.pool is not None
+    def _sources(self, req_id: str, jobs: Sequence[ChunkJob]) -> tuple[list[list[torch.Tensor]], int, str | None]:
+        """Per group, the checked host chunks of the leading valid jobs; how many; why not more."""
+        bufs: list[list[torch.Tensor]] = [[] for _ in self.layouts]
+        remote: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layouts]
+        trouble: TierTrouble | None = None
+        leased = [j for j in jobs if j.lease]
+        if leased:
+            try:
+                if self.server is None:
+                    raise TierTrouble("server_unavailable", "no server configured in this worker")
+                for layout in self.layouts:
+                    offs = self.server.resolve(leased[0].lease, [j.key for j in leased], layout.group_index)
+                    remote[layout.group_index] = [self.server.views(o, n) for o, n in offs]
+            except TierTrouble as e:
+                trouble = e
+        n_remote = 0
         for n, job in enumerate(jobs):
             try:
-                if not 0 <= job.slot < self.pool.num_slots:
-                    raise ChunkError("missing", f"slot {job.slot} outside the pool")
+                got = []
                 for layout in self.layouts:
-                    header = self.pool.header(layout.group_index, job.slot)
-                    if header is None:
-                        raise ChunkError("missing", f"slot {job.slot} holds no chunk")
-                    check_chunk(header, self.pool.payload_bytes(layout.group_index, job.slot),
-                                self._expect(layout, job), self.cfg.verify_checksums)
-            except ChunkError as e:
+                    g = layout.group_index
+                    if job.lease:
+                        if trouble is not None:
+                            raise trouble
+                        header_t, payload_t = remote[g][n_remote]
+                        header, payload = bytes(header_t.numpy()), payload_t
+                    else:
+                        if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
+                            raise ChunkError("missing", f"slot {job.slot} outside the pool")
+                        header, payload = self.pool.header(g, job.slot), self.pool.payload(g, job.slot)
+                        if header is None:
+                            raise ChunkError("missing", f"slot {job.slot} holds no chunk")
+                    expect = self._expect(layout, job)
+                    check_chunk(header, _bytes_of(payload), expect, self.cfg.verify_checksums)
+                    got.append(payload.view(layout.dtype).view(1, *expect.shape))
+                for g, t in enumerate(got):
+                    bufs[g].append(t)
+                n_remote += bool(job.lease)
+            except (ChunkError, TierTrouble) as e:
                 logger.warning("vllm-kvplugin: %s chunk %d not served (%s); recomputing",
                                req_id, job.chunk_index, e)
-                return n, e.reason
-        return len(jobs), None
+                return bufs, n, e.reason
+        return bufs, len(jobs), None
 
-    def _load_jobs(self, jobs: Sequence[ChunkJob], moved: list[int]) -> None:
-        assert self.pool is not None
+    def _load_jobs(self, jobs: Sequence[ChunkJob], bufs: list[list[torch.Tensor]], moved: list[int]) -> None:
         for layout in self.layouts:
             g = layout.group_index
             slots = self._slots(layout, jobs)
-            self.engine.load(layout, self.layers[g], slots, [self.pool.payload(g, j.slot) for j in jobs])
+            self.engine.load(layout, self.layers[g], slots, bufs[g])
             moved[g] += int((slots >= 0).sum()) * layout.bytes_per_token
 
     # ------------------------------------------------------------------- stores
     def store(self, meta: KVPluginMetadata) -> None:
         """Issue the gathers of every chunk completed by this step's forward."""
-        assert self.pool is not None
         jobs = [job for req in meta.stores for job in req.jobs]
         if not jobs:
             return
         t0 = time.perf_counter()
+        local = [j for j in jobs if j.slot >= 0]
+        remote = self._reserve([j for j in jobs if j.to_server])
         try:
             tickets = []
             for layout in self.layouts:
                 g = layout.group_index
-                for job in jobs:
+                targets: list[tuple[ChunkJob, torch.Tensor]] = []
+                for job in local:
                     self.pool.set_header(g, job.slot, None)
-                tickets.append(self.engine.store(layout, self.layers[g], self._slots(layout, jobs),
-                                                 [self.pool.payload(g, j.slot) for j in jobs]))
+                    targets.append((job, self.pool.payload(g, job.slot)))
+                for job, views in remote:
+                    targets.append((job, views[g][1].view(layout.dtype).view(1, *layout.chunk_shape(self.chunk_size))))
+                if targets:
+                    tickets.append(self.engine.store(layout, self.layers[g], self._slots(layout, [j for j, _ in targets]),
+                                                     [t for _, t in targets]))
         except Exception:
             logger.exception("vllm-kvplugin: store of %d chunks failed", len(jobs))
-            self._meta.store_failed.update(j.slot for j in jobs)
+            self._meta.store_failed.update(j.slot for j in local)
+            if remote and self.server is not None:
+                self.server.abort([oid for job, _ in remote for oid in self._oids(job)])
             return
-        self._pending_stores.append((tickets, jobs, t0))
+        self._pending_stores.append((tickets, local, remote, t0))
         self._finish_stores()
 
+    def _oids(self, job: ChunkJob) -> list[bytes]:
+        assert self.server is not None
+        return [self.server.object_id(job.key, lay.group_index) for lay in self.layouts]
+
+    def _reserve(self, jobs: list[ChunkJob]) -> list[tuple[ChunkJob, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Server room for every group of each job; jobs the server already has (or cannot take) drop out."""
+        if not jobs or self.server is None:
+            return []
+        sizes = [HEADER_SIZE + lay.chunk_nbytes(self.chunk_size) for lay in self.layouts]
+        try:
+            offs = self.server.reserve([(oid, n) for job in jobs for oid, n in zip(self._oids(job), sizes)])
+            out, unwanted = [], []
+            G = len(self.layouts)
+            for i, job in enumerate(jobs):
+                mine = offs[i * G:(i + 1) * G]
+                if all(o is not None for o in mine):
+                    out.append((job, [self.server.views(o, n) for o, n in zip(mine, sizes)]))
+                else:  # already on the server (or no room): give back what was reserved
+                    unwanted += [oid for oid, o in zip(self._oids(job), mine) if o is not None]
+            if unwanted:
+                self.server.abort(unwanted)
+            return out
+        except TierTrouble as e:
+            counters.WORKER.add(server_store_errors=1)
+            logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
+            return []
+
     def _finish_stores(self, wait: bool = False) -> None:
-        """Write headers (with checksums) for stores whose bytes reached the host."""
-        assert self.pool is not None
+        """Write headers (with checksums) of stores whose bytes reached the host; publish them."""
         still = []
-        for tickets, jobs, t0 in self._pending_stores:
+        for tickets, local, remote, t0 in self._pending_stores:
             if wait:
                 for t in tickets:
                     self.engine.wait(t)
             if not all(self.engine.done(t) for t in tickets):
-                still.append((tickets, jobs, t0))
+                still.append((tickets, local, remote, t0))
                 continue
             nbytes = 0
-            for job in jobs:
+            for job in local:
                 for layout in self.layouts:
                     g = layout.group_index
-                    payload = self.pool.payload_bytes(g, job.slot)
+                    payload = _bytes_of(self.pool.payload(g, job.slot))
                     header = ChunkHeader.for_payload(self._expect(layout, job), payload)
                     self.pool.set_header(g, job.slot, header.pack())
                     nbytes += payload.nbytes
                 self._meta.stored[job.slot] = self._meta.stored.get(job.slot, 0) + 1
-            counters.WORKER.add(stored_tokens=self.chunk_size * len(jobs), stored_bytes=nbytes,
+            nbytes += self._publish(remote)
+            counters.WORKER.add(stored_tokens=self.chunk_size * (len(local) + len(remote)), stored_bytes=nbytes,
                                 store_seconds=time.perf_counter() - t0)
         self._pending_stores = still
+
+    def _publish(self, remote) -> int:
+        """Headers into the server's pool, then commit: the objects become visible only now."""
+        if not remote:
+            return 0
+        nbytes = 0
+        oids = []
+        for job, views in remote:
+            for layout, (header_t, payload_t) in zip(self.layouts, views):
+                payload = _bytes_of(payload_t)
+                header = ChunkHeader.for_payload(self._expect(layout, job), payload).pack()
+                header_t.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+                nbytes += payload.nbytes
+            oids += self._oids(job)
+        try:
+            ok = self.server.commit(oids)
+        except TierTrouble as e:
+            counters.WORKER.add(server_store_errors=1)
+            logger.warning("vllm-kvplugin: commit to the server failed (%s)", e)
+            return 0
+        if not all(ok):
+            counters.WORKER.add(server_store_errors=1)
+            logger.warning("vllm-kvplugin: the server refused %d of %d objects", ok.count(False), len(ok))
+        return nbytes
 
     def fence(self) -> None:
         """Before a step's forward: the compute stream must not overwrite blocks stores still read."""

@@ -1,0 +1,199 @@
+"""Real engines through a real ``vllm-kvplugin server`` process.
+
+The seeds' method at any prefix length (up to 1,000 chunks, exact multiples
+and +-1 around 127/128/129 chunks), two engine processes sharing one server,
+and the server killed (``kill -9``) before a load, during a load and during a
+store: the engine recomputes, keeps serving, and hits again once a server is
+back (with L2 the data survives the restart).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from harness import Probe, engine, generate, prompt, shutdown
+from test_cache_hits import _baseline
+
+import vllm_kvplugin
+from vllm_kvplugin import counters
+from vllm_kvplugin.planner import max_loadable_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from srvutil import ServerProc  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.server]
+
+CHUNK = 32
+
+
+@pytest.fixture
+def workdir():
+    with tempfile.TemporaryDirectory(prefix="kvs-e2e-", dir="/tmp") as d:
+        yield d
+
+
+@pytest.fixture
+def server(workdir):
+    s = ServerProc(workdir, "--l1-bytes", "2GiB", "--l2-dir", os.path.join(workdir, "l2")).start()
+    yield s
+    s.stop()
+
+
+def _delta(before: dict, after: dict, key: str):
+    return after[key] - before[key]
+
+
+def test_hit_through_server_at_any_prefix_length(qwen3_model, server):
+    lengths = [CHUNK // 2, CHUNK, CHUNK + 1]
+    for k in (127, 128, 129):
+        lengths += [k * CHUNK - 1, k * CHUNK, k * CHUNK + 1]
+    lengths += [1000 * CHUNK, 1000 * CHUNK + 7]
+    prompts = [prompt(n, seed=3 * n) for n in lengths]
+    want = _baseline(qwen3_model, 32, [[p] for p in prompts], budget=CHUNK, max_model_len=33_000)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK, max_model_len=33_000)
+        try:
+            bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
+            problems = []
+            for n, p, expect in zip(lengths, prompts, want):
+                cold = generate(llm, [p])[0]
+                probe.poison_all_blocks(seed=n)
+                before = vllm_kvplugin.stats()
+                warm = generate(llm, [p])[0]
+                after = vllm_kvplugin.stats()
+                hit = max_loadable_tokens(n, CHUNK)
+                got = {
+                    "cold": cold.token_ids == expect and cold.num_cached_tokens == 0,
+                    "warm": warm.token_ids == expect,
+                    "num_cached_tokens": warm.num_cached_tokens == hit,
+                    "server_hit_tokens": _delta(before, after, "server_hit_tokens") == hit,
+                    "loaded_bytes": _delta(before, after, "loaded_bytes") == hit * bpt,
+                    "served==planned": _delta(before, after, "server_served_bytes")
+                    == _delta(before, after, "server_planned_bytes"),
+                }
+                if not all(got.values()):
+                    problems.append((n, {k: v for k, v in got.items() if not v}, warm.num_cached_tokens, hit))
+            assert not problems, f"(length, failed checks, num_cached_tokens, planned) {problems}"
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+            s = vllm_kvplugin.stats()
+            assert s["server_bytes_mismatches"] == 0 and s["load_failures"] == {}
+            assert s["server_planned_bytes"] > 0
+        finally:
+            shutdown(llm)
+
+
+def _child(python: str, code: str, timeout: int = 900) -> str:
+    out = subprocess.run([python, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=timeout, cwd="/", env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                                                            TORCHDYNAMO_DISABLE="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+ENGINE_CHILD = """
+    import json, random, sys
+    sys.path.insert(0, {e2e!r})
+    from harness import engine, generate, shutdown
+    import vllm, vllm_kvplugin
+    p = [random.Random(11).randrange(10, 4000) for _ in range({n})]
+    res = {{"vllm": vllm.__version__}}
+    if {baseline}:
+        llm = engine({model!r}, 32, None, budget={chunk})
+        res["baseline"] = generate(llm, [p])[0].token_ids
+        shutdown(llm)
+    llm = engine({model!r}, 32, {{"chunk_size": {chunk}, "cpu_bytes": 0, "server": {addr!r}}}, budget={chunk})
+    r = generate(llm, [p])[0]
+    res.update(tokens=r.token_ids, cached=r.num_cached_tokens, stats=vllm_kvplugin.stats())
+    shutdown(llm)
+    print("RESULT " + json.dumps(res))
+"""
+
+
+def _other_python() -> str:
+    """Another CPU lane's interpreter (set by nox when its venv exists), else this one."""
+    return os.environ.get("KVPLUGIN_OTHER_VLLM_PYTHON") or sys.executable
+
+
+def test_two_engine_processes_share_the_server(qwen3_model, server):
+    """One engine process stores; another process (another vLLM version where one is installed) hits."""
+    import json
+
+    n = 20 * CHUNK + 9
+    common = dict(e2e=str(Path(__file__).parent), n=n, model=qwen3_model, chunk=CHUNK, addr=server.address)
+    a = json.loads(_child(sys.executable, ENGINE_CHILD.format(baseline=False, **common)).split("RESULT ", 1)[1])
+    b = json.loads(_child(_other_python(), ENGINE_CHILD.format(baseline=True, **common)).split("RESULT ", 1)[1])
+    assert a["cached"] == 0 and a["stats"]["stored_tokens"] == 20 * CHUNK
+    assert b["cached"] == 20 * CHUNK and b["stats"]["server_hit_tokens"] == 20 * CHUNK
+    assert b["tokens"] == b["baseline"], f"vLLM {b['vllm']} served KV stored by vLLM {a['vllm']} wrongly"
+
+
+@pytest.mark.parametrize("when", ["before-load", "during-load", "during-store"])
+def test_server_killed(qwen3_model, server, when, monkeypatch):
+    """kill -9 the server: the engine recomputes (no hang), keeps serving, and hits again later."""
+    from vllm_kvplugin.tiers import mp
+
+    p = prompt(12 * CHUNK + 5, seed=500)
+    q = prompt(9 * CHUNK + 3, seed=501)
+    want_p, want_q = _baseline(qwen3_model, 32, [[p], [q]], budget=CHUNK)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address,
+                                       "server_timeout_s": 2}, budget=CHUNK)
+        try:
+            if when == "during-store":
+                orig = mp.ServerStore.reserve
+
+                def reserve_then_die(self, items):
+                    offs = orig(self, items)
+                    server.kill9()
+                    return offs
+
+                monkeypatch.setattr(mp.ServerStore, "reserve", reserve_then_die)
+                assert generate(llm, [p])[0].token_ids == want_p
+                monkeypatch.undo()
+                assert vllm_kvplugin.stats()["server_store_errors"] >= 1
+                server.start()  # same L2 directory: nothing of the killed store may be visible
+                probe.poison_all_blocks()
+                again = generate(llm, [p])[0]
+                assert again.token_ids == want_p and again.num_cached_tokens == 0
+            else:
+                assert generate(llm, [p])[0].token_ids == want_p
+                if when == "before-load":
+                    server.kill9()
+                else:
+                    orig = mp.ServerIndex.lookup
+
+                    def lookup_then_die(self, keys):
+                        found = orig(self, keys)
+                        if found.hits:
+                            server.kill9()
+                        return found
+
+                    monkeypatch.setattr(mp.ServerIndex, "lookup", lookup_then_die)
+                probe.poison_all_blocks()
+                t0 = time.monotonic()
+                warm = generate(llm, [p])[0]
+                assert time.monotonic() - t0 < 30, "a request waited on a dead server"
+                monkeypatch.undo()
+                assert warm.token_ids == want_p
+                s = vllm_kvplugin.stats()
+                if when == "during-load":
+                    assert s["load_failures"].get("server_unavailable", 0) >= 1
+                else:
+                    assert s["server_lookup_errors"] >= 1
+                assert generate(llm, [q])[0].token_ids == want_q  # still serving, server down
+                server.start()  # L2 survived: the stored prefix is found again
+                probe.poison_all_blocks()
+                back = generate(llm, [p])[0]
+                assert back.token_ids == want_p and back.num_cached_tokens == 12 * CHUNK
+        finally:
+            shutdown(llm)
