@@ -181,8 +181,8 @@ class Probe:
         return n
 
     def poison_all_blocks(self, seed: int = 0) -> None:
-        """Overwrite every KV block of every layer with finite noise."""
-        gen = torch.Generator().manual_seed(seed)
+        """Overwrite every KV block of every layer with finite noise (made where the cache lives)."""
         for layers in self.worker.layers:
-            for t in layers:
-                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            for i, t in enumerate(layers):
+                gen = torch.Generator(device=t.device).manual_seed(seed * 1000 + i)
+                t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))

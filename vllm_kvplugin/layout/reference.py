@@ -56,21 +56,26 @@ def _index(slots: torch.Tensor, block_size: int, kernel_block_size: int):
 
 def reference_gather(layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
                      out: torch.Tensor) -> None:
-    """``out[C, L, KV, T, H, D]`` <- paged KV at ``slots[C, T]`` (-1 = leave untouched)."""
+    """``out[C, L, KV, T, H, D]`` <- paged KV at ``slots[C, T]`` (-1 = leave untouched).
+
+    ``out`` may live on another device than the layers (e.g. a host copy of GPU KV).
+    """
     c, t, kb, n = _index(slots.cpu(), layout.block_size, layout.kernel_block_size)
-    dev = out.device
-    c, t, kb, n = c.to(dev), t.to(dev), kb.to(dev), n.to(dev)
+    dev = layers[0].device
+    c, t = c.to(out.device), t.to(out.device)
+    kb, n = kb.to(dev), n.to(dev)
     for li, layer in enumerate(layers):
         view = token_view(layout.semantics, layer, layout.head_dim, layout.kernel_block_size)
-        out[c, li, :, t] = view[kb, n]  # [n, KV, H, D]
+        out[c, li, :, t] = view[kb, n].to(out.device)  # [n, KV, H, D]
 
 
 def reference_scatter(layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
                       src: torch.Tensor) -> None:
-    """Paged KV at ``slots[C, T]`` <- ``src[C, L, KV, T, H, D]`` (-1 = skip)."""
+    """Paged KV at ``slots[C, T]`` <- ``src[C, L, KV, T, H, D]`` (-1 = skip); ``src`` on any device."""
     c, t, kb, n = _index(slots.cpu(), layout.block_size, layout.kernel_block_size)
-    dev = src.device
-    c, t, kb, n = c.to(dev), t.to(dev), kb.to(dev), n.to(dev)
+    dev = layers[0].device
+    c, t = c.to(src.device), t.to(src.device)
+    kb, n = kb.to(dev), n.to(dev)
     for li, layer in enumerate(layers):
         view = token_view(layout.semantics, layer, layout.head_dim, layout.kernel_block_size)
-        view[kb, n] = src[c, li, :, t]
+        view[kb, n] = src[c, li, :, t].to(dev)
