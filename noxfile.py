@@ -286,6 +286,16 @@ def _lane_env(entry: dict, tests: bool = True) -> dict[str, str]:
     return env
 
 
+def _other_cpu_lane_python(session: nox.Session) -> str | None:
+    """The interpreter of another CPU lane's venv that holds the plugin, if one was built."""
+    here = _venv_dir(session).resolve()
+    for py in sorted(here.parent.glob("cpu-*/bin/python")):
+        venv = py.parent.parent.resolve()
+        if venv != here and list(venv.glob("lib/python*/site-packages/vllm_kvplugin")):
+            return str(py)
+    return None
+
+
 # -------------------------------------------------------------------- sessions
 def _make_cpu_session(entry: dict):
     def cpu(session: nox.Session) -> None:
@@ -295,8 +305,12 @@ def _make_cpu_session(entry: dict):
         with _step(session, "plugin build + install"):
             _install_plugin(session)
         _check_installed(session, env)
+        other = _other_cpu_lane_python(session)
+        if other:  # the two-engine server test then runs its second engine on another vLLM version
+            env["KVPLUGIN_OTHER_VLLM_PYTHON"] = other
         with _step(session, "pytest"):
             session.run("pytest", *_pytest_args(session, ["tests"]), "-m", "not gpu",
+                        "-n", os.environ.get("KVPLUGIN_TEST_WORKERS", str(min(2, os.cpu_count() or 1))),
                         "--durations=10", env=env)
 
     cpu.__doc__ = (f"vLLM {entry['version']} ({entry['wheel']}, torch {entry['torch']}, "

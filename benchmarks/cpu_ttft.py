@@ -93,7 +93,7 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2048,2049,4096,4097,8192,8193,16384,16385")
-    ap.add_argument("--modes", default="baseline,kvplugin,example")
+    ap.add_argument("--modes", default="baseline,kvplugin,kvplugin-server,example")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--server", default=None, help="address of a running vllm-kvplugin server")
@@ -110,11 +110,19 @@ def main() -> int:
 
     model = str(tiny_model.build(tiny_model.DEMO))
     results = []
+    server = None
+    if "kvplugin-server" in args.modes.split(",") and not args.server:
+        sockdir = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
+        server = subprocess.Popen([sys.executable, "-m", "vllm_kvplugin.server", "--listen",
+                                   f"unix://{sockdir}/s.sock", "--l1-bytes", "16GiB"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        banner = server.stdout.readline()
+        args.server = banner.split("listening on ", 1)[1].split(" ", 1)[0]
     for mode in args.modes.split(","):
         t0 = time.time()
         out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", model, "--lengths", args.lengths,
                               "--block", str(args.block), "--chunk", str(args.chunk)]
-                             + (["--server", args.server] if args.server else []),
+                             + (["--server", args.server] if args.server and mode == "kvplugin-server" else []),
                              capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode != 0 or not line:
@@ -124,6 +132,9 @@ def main() -> int:
         res["wall_s"] = round(time.time() - t0, 1)
         results.append(res)
         print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr)
+    if server is not None:
+        server.terminate()
+        server.wait(30)
     import torch
     import vllm
 
@@ -141,6 +152,9 @@ def main() -> int:
                 row[f"{mode}_continuation_matches_baseline"] = r["continuation"] == base[n]["continuation"]
         if "kvplugin" in by_mode and "example" in by_mode:
             row["kvplugin_vs_example_warm_ratio"] = round(by_mode["example"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
+        if "kvplugin" in by_mode and "kvplugin-server" in by_mode:
+            row["server_vs_inprocess_warm_ratio"] = round(
+                by_mode["kvplugin-server"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
         summary.append(row)
     doc = {
         "benchmark": "cpu_ttft", "date": time.strftime("%Y-%m-%d"),

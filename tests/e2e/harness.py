@@ -62,7 +62,8 @@ def engine(model: str, block_size: int, connector: dict | None, max_model_len: i
                                kv_connector_extra_config=connector)
     if budget is not None:
         kw.update(max_num_batched_tokens=budget, max_num_seqs=min(8, budget))
-    return LLM(model=model, enable_prefix_caching=False, max_model_len=max_model_len,
+    kw.setdefault("enable_prefix_caching", False)  # repeats must come from the plugin
+    return LLM(model=model, max_model_len=max_model_len,
                enforce_eager=True, kv_cache_memory_bytes=kv_bytes, block_size=block_size,
                kv_transfer_config=ktc, seed=0, **kw)
 

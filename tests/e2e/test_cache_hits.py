@@ -118,26 +118,37 @@ def test_skipped_load_is_caught(qwen3_model):
 
 
 def test_shared_prefix_in_one_batch(qwen3_model):
-    """Several requests with a common prefix, scheduled together: correct, stored once, all hit."""
+    """Several requests with a common prefix, scheduled in one step: correct, stored once, all hit.
+
+    The reference is vLLM's own prefix cache (same block size, same token budget): it
+    computes exactly what a plugin hit leaves to compute, in the same steps, so the outputs
+    must agree bit for bit, and within one step neither may hit chunks still being computed.
+    """
     chunk = 64
     prefix = prompt(4 * chunk, seed=5)
     cold = [prefix + prompt(40 + 30 * i, seed=10 + i) for i in range(3)]
     warm = [prefix + prompt(90, seed=20 + i) for i in range(2)]
-    want = _baseline(qwen3_model, 32, [cold, warm], budget=chunk)
+    ref = engine(qwen3_model, chunk, None, budget=2048, enable_prefix_caching=True)
+    try:
+        want = [[r.token_ids for r in generate(ref, batch)] for batch in (cold, warm)]
+    finally:
+        shutdown(ref)
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, 32, {"chunk_size": chunk}, budget=chunk)
+        llm = engine(qwen3_model, chunk, {"chunk_size": chunk}, budget=2048)
         try:
             got = generate(llm, cold)
-            assert [r.token_ids for r in got] == want[:3]
+            assert [r.token_ids for r in got] == want[0]
+            assert [r.num_cached_tokens for r in got] == [0, 0, 0]  # nothing hit what was in flight
             s = vllm_kvplugin.stats()
             # the 4 prefix chunks once, plus each request's own full chunks (suffixes 40/70/100 tokens)
             assert s["stored_tokens"] == (4 + 0 + 1 + 1) * chunk
             probe.poison_all_blocks()
             got = generate(llm, warm)
-            assert [r.token_ids for r in got] == want[3:]
+            assert [r.token_ids for r in got] == want[1]
             assert [r.num_cached_tokens for r in got] == [4 * chunk, 4 * chunk]  # the shared prefix
             assert vllm_kvplugin.stats()["loaded_tokens"] == 2 * 4 * chunk
+            assert not probe.kv_mismatches and probe.kv_checked == 8
         finally:
             shutdown(llm)
 

@@ -51,8 +51,8 @@ def _swapped_headers(probe, monkeypatch, slots):
 
 def _short_read(probe, monkeypatch, slots):
     pool = probe.worker.pool
-    orig = type(pool).payload_bytes
-    monkeypatch.setattr(type(pool), "payload_bytes", lambda self, g, s: orig(self, g, s)[:-100])
+    orig = type(pool).payload
+    monkeypatch.setattr(type(pool), "payload", lambda self, g, s: orig(self, g, s).reshape(-1)[:-100])
 
 
 def _copy_error(probe, monkeypatch, slots):

@@ -181,10 +181,6 @@ class LocalPool:
         """The slot's chunk as ``[1, L, KV, T, H, D]`` (what the ops take)."""
         return self.payloads[group][slot:slot + 1]
 
-    def payload_bytes(self, group: int, slot: int) -> memoryview:
-        t = self.payloads[group][slot]
-        return memoryview(t.view(torch.uint8).reshape(-1).numpy())
-
     def set_header(self, group: int, slot: int, header: bytes | None) -> None:
         assert header is None or len(header) == HEADER_SIZE
         self.headers[group][slot] = header
