@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import platform
 import statistics
@@ -327,6 +328,36 @@ def run_layout(res: Results, name: str, host_u8: torch.Tensor, d1: torch.Tensor,
             res.add(**common, direction="load", method="naive per-block copy_",
                     ceiling_GBps=ceil.get("load"), secs=wall(naive_load, nreps, nwarm))
         guarded(res, f"{name} C={C} naive", naive)
+
+        # (d) vLLM's own block copies, where vLLM is on the machine (the GPU lane's payload):
+        # swap_blocks (one cudaMemcpyAsync per page) and swap_blocks_batch (one driver call)
+        def vllm_swaps():
+            from vllm import _custom_ops as vops
+
+            blk = blocks[:nblk].to(torch.int64)
+            fwd = torch.stack([blk, torch.arange(nblk)], 1).contiguous()
+            back = fwd[:, [1, 0]].contiguous()
+            pairs = [(seg, pages[li, sg]) for li in range(L) for sg, seg in enumerate(segs[li])]
+            dev_ptrs = torch.tensor([seg.data_ptr() + int(b) * seg.stride(0) for seg, _ in pairs for b in blk],
+                                    dtype=torch.int64)
+            host_ptrs = torch.tensor([dst.data_ptr() + j * dst.stride(0) for _, dst in pairs for j in range(nblk)],
+                                     dtype=torch.int64)
+            sizes = torch.full((len(dev_ptrs),), seg_bytes, dtype=torch.int64)
+            for method, st, ld in (
+                ("vLLM swap_blocks",
+                 lambda i: [vops.swap_blocks(seg, dst, seg_bytes, fwd) for seg, dst in pairs],
+                 lambda i: [vops.swap_blocks(dst, seg, seg_bytes, back) for seg, dst in pairs]),
+                ("vLLM swap_blocks_batch",
+                 lambda i: vops.swap_blocks_batch(dev_ptrs, host_ptrs, sizes),
+                 lambda i: vops.swap_blocks_batch(host_ptrs, dev_ptrs, sizes)),
+            ):
+                nreps, nwarm = (1, 1) if big else (3, 1)
+                res.add(**common, direction="store", method=method, ceiling_GBps=ceil.get("store"),
+                        secs=wall(st, nreps, nwarm))
+                res.add(**common, direction="load", method=method, ceiling_GBps=ceil.get("load"),
+                        secs=wall(ld, nreps, nwarm))
+        if importlib.util.find_spec("vllm") is not None:
+            guarded(res, f"{name} C={C} vLLM swap_blocks", vllm_swaps)
         res.save()
     torch.cuda.empty_cache()
 
