@@ -62,3 +62,25 @@ def test_stable_value():
 
 def test_fingerprint_ignores_key_order():
     assert model_fingerprint({"a": 1, "b": {"c": 2, "d": 3}}) == model_fingerprint({"b": {"d": 3, "c": 2}, "a": 1})
+
+
+def test_model_identity_ignores_incidental_config_fields():
+    """Engines of different vLLM/transformers versions describe one model with different
+    incidental config fields; the identity (hence every key) must not change."""
+    from types import SimpleNamespace
+
+    from vllm_kvplugin.adapters._common import model_identity
+
+    def cfg(extra):
+        hf = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_key_value_heads": 2,
+              "rope_parameters": {"rope_theta": 1e4}, **extra}
+        mc = SimpleNamespace(model="/m", revision=None, dtype="torch.bfloat16",
+                             hf_config=SimpleNamespace(to_dict=lambda: dict(hf)))
+        return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto"))
+
+    a = model_identity(cfg({"transformers_version": "5.19", "_name_or_path": "/x", "use_cache": True}), None)
+    b = model_identity(cfg({"transformers_version": "5.24", "output_attentions": False}), None)
+    assert model_fingerprint(a) == model_fingerprint(b)
+    c = model_identity(cfg({"num_key_value_heads": 4}), None)
+    assert model_fingerprint(c) != model_fingerprint(a)
+    assert model_identity(cfg({}), "shared-name")["model"] == "shared-name"

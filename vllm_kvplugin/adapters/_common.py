@@ -14,8 +14,17 @@ import torch
 from vllm_kvplugin.layout.build import GroupSource, LayoutError
 from vllm_kvplugin.layout.descriptor import ContentSemantics
 
-#: HF config fields that do not change the KV bytes (paths, tool versions)
-_IDENTITY_SKIP = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"}
+#: HF config fields that decide a model's KV bytes for given weights and token ids.  A
+#: curated list, not the whole config: vLLM versions (and their transformers) add, drop
+#: and rename incidental fields, and engines of different versions must share one cache.
+_IDENTITY_FIELDS = (
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "hidden_act",
+    "rms_norm_eps", "layer_norm_eps", "attention_bias", "tie_word_embeddings", "rope_theta",
+    "rope_scaling", "rope_parameters", "partial_rotary_factor", "sliding_window",
+    "use_sliding_window", "layer_types", "max_window_layers", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok",
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ def model_identity(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     """What determines a model's KV bytes: the basis of the chunk fingerprint."""
     mc = vllm_config.model_config
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else {}
-    hf = {k: v for k, v in hf.items() if k not in _IDENTITY_SKIP}
+    hf = {k: hf[k] for k in _IDENTITY_FIELDS if hf.get(k) is not None}
     return {
         "model": model_id or str(mc.model),
         "revision": None if model_id else getattr(mc, "revision", None),

@@ -262,13 +262,14 @@ class WorkerSide:
             logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
             return []
 
-    def _finish_stores(self, wait: bool = False) -> None:
-        """Write headers (with checksums) of stores whose bytes reached the host; publish them."""
+    def _finish_stores(self) -> None:
+        """Write headers (with checksums) of stores whose bytes reached the host; publish them.
+
+        Called after issuing stores and at the end of every step: a store still
+        in flight (GPU DMA) is finished at a later step.
+        """
         still = []
         for tickets, local, remote, t0 in self._pending_stores:
-            if wait:
-                for t in tickets:
-                    self.engine.wait(t)
             if not all(self.engine.done(t) for t in tickets):
                 still.append((tickets, local, remote, t0))
                 continue
