@@ -8,9 +8,8 @@ what is accepted.  The README's configuration table is rendered from
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -74,7 +73,6 @@ class KVPluginConfig:
     certify: bool = True
     model_id: str | None = None
     load_failure_policy: str = "recompute"
-    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVPluginConfig:
@@ -95,7 +93,7 @@ class KVPluginConfig:
                     f"vllm-kvplugin: kv_connector_extra_config[{key!r}] must be "
                     f"{_type_names(doc.type)}, got {type(value).__name__} {value!r}")
             values[key] = value
-        cfg = cls(**values, extra=extra)
+        cfg = cls(**values)
         cfg._check()
         return cfg
 
@@ -121,8 +119,6 @@ class KVPluginConfig:
                 f"vllm-kvplugin: chunk_size {self.chunk_size} must be a multiple of vLLM's "
                 f"block size {block_size}")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
 
 
 def config_table_markdown() -> str:

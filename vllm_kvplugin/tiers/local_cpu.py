@@ -50,7 +50,6 @@ class LocalIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_key: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # READY slots, oldest first
-        self.evicted_slots = 0
 
     # --- lookups -----------------------------------------------------------
     def prefix_hits(self, keys: Sequence[bytes]) -> int:
@@ -65,9 +64,6 @@ class LocalIndex:
 
     def contains(self, key: bytes) -> bool:
         return key in self._by_key
-
-    def slot_of(self, key: bytes) -> int | None:
-        return self._by_key.get(key)
 
     # --- loads -------------------------------------------------------------
     def pin(self, keys: Sequence[bytes]) -> list[int]:
@@ -108,7 +104,6 @@ class LocalIndex:
             if victim is None:
                 return None
             self._release(victim)
-            self.evicted_slots += 1
             evicted = self.slot_bytes
         s = self._free.pop()
         self._slots[s] = _Slot(key=key, state=SlotState.PENDING, pins=1)
@@ -150,9 +145,6 @@ class LocalIndex:
 
     def state(self, slot_id: int) -> SlotState:
         return self._slots[slot_id].state
-
-    def __len__(self) -> int:
-        return len(self._by_key)
 
     def clear(self) -> None:
         """Forget every unpinned chunk (``reset_cache``)."""
