@@ -25,13 +25,9 @@
 
 namespace kvplugin {
 
-Geometry check_args(const char* op, at::TensorList layers,
-                    const at::Tensor& slots, at::IntArrayRef strides,
-                    int64_t block_size, int64_t kernel_block_size,
-                    int64_t num_blocks, const at::Tensor& chunk) {
-  TORCH_CHECK(chunk.dim() == 6, op, ": chunk must be [C, L, KV, T, H, D], got ",
-              chunk.sizes());
-  TORCH_CHECK(chunk.is_contiguous(), op, ": chunk must be contiguous");
+void check_paged(const char* op, at::TensorList layers, at::IntArrayRef strides,
+                 int64_t block_size, int64_t kernel_block_size, int64_t num_blocks,
+                 Geometry& g) {
   TORCH_CHECK(strides.size() == 6, op,
               ": strides must be [block, sub, tok, head, kv, dim], got ",
               strides.size(), " values");
@@ -41,6 +37,39 @@ Geometry check_args(const char* op, at::TensorList layers,
               " must be a positive multiple of kernel_block_size ",
               kernel_block_size);
   TORCH_CHECK(num_blocks > 0, op, ": num_blocks must be > 0, got ", num_blocks);
+  g.s_block = strides[0];
+  g.s_sub = strides[1];
+  g.s_tok = strides[2];
+  g.s_head = strides[3];
+  g.s_kv = strides[4];
+  g.s_dim = strides[5];
+  g.block_size = block_size;
+  g.kbs = kernel_block_size;
+  g.num_blocks = num_blocks;
+  // Every address the op can touch must lie inside each layer's storage: a
+  // wrong descriptor is an error here, never a stray write.
+  for (int64_t st : strides) {
+    TORCH_CHECK(st >= 0, op, ": negative stride ", st, " in ", strides);
+  }
+  const int64_t r = block_size / kernel_block_size;
+  const int64_t reach = (num_blocks - 1) * g.s_block + (r - 1) * g.s_sub +
+                        (kernel_block_size - 1) * g.s_tok + (g.H - 1) * g.s_head +
+                        (g.KV - 1) * g.s_kv + (g.D - 1) * g.s_dim;
+  for (const auto& t : layers) {
+    const int64_t avail =
+        static_cast<int64_t>(t.storage().nbytes()) / g.esize - t.storage_offset();
+    TORCH_CHECK(reach < avail, op, ": strides ", strides, " reach element ", reach,
+                " but the layer holds ", avail, " elements from its start");
+  }
+}
+
+Geometry check_args(const char* op, at::TensorList layers,
+                    const at::Tensor& slots, at::IntArrayRef strides,
+                    int64_t block_size, int64_t kernel_block_size,
+                    int64_t num_blocks, const at::Tensor& chunk) {
+  TORCH_CHECK(chunk.dim() == 6, op, ": chunk must be [C, L, KV, T, H, D], got ",
+              chunk.sizes());
+  TORCH_CHECK(chunk.is_contiguous(), op, ": chunk must be contiguous");
   Geometry g;
   g.C = chunk.size(0);
   g.L = chunk.size(1);
@@ -48,6 +77,7 @@ Geometry check_args(const char* op, at::TensorList layers,
   g.T = chunk.size(3);
   g.H = chunk.size(4);
   g.D = chunk.size(5);
+  g.esize = chunk.element_size();
   TORCH_CHECK(g.KV == 1 || g.KV == 2, op, ": KV dim must be 1 or 2, got ", g.KV);
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == g.L, op, ": ",
               layers.size(), " layers given for a chunk of L=", g.L);
@@ -64,31 +94,7 @@ Geometry check_args(const char* op, at::TensorList layers,
     TORCH_CHECK(t.device() == chunk.device(), op, ": layer on ", t.device(),
                 " but chunk on ", chunk.device());
   }
-  g.s_block = strides[0];
-  g.s_sub = strides[1];
-  g.s_tok = strides[2];
-  g.s_head = strides[3];
-  g.s_kv = strides[4];
-  g.s_dim = strides[5];
-  g.block_size = block_size;
-  g.kbs = kernel_block_size;
-  g.num_blocks = num_blocks;
-  g.esize = chunk.element_size();
-  // Every address the op can touch must lie inside each layer's storage: a
-  // wrong descriptor is an error here, never a stray write.
-  for (int64_t st : strides) {
-    TORCH_CHECK(st >= 0, op, ": negative stride ", st, " in ", strides);
-  }
-  const int64_t r = block_size / kernel_block_size;
-  const int64_t reach = (num_blocks - 1) * g.s_block + (r - 1) * g.s_sub +
-                        (kernel_block_size - 1) * g.s_tok + (g.H - 1) * g.s_head +
-                        (g.KV - 1) * g.s_kv + (g.D - 1) * g.s_dim;
-  for (const auto& t : layers) {
-    const int64_t avail =
-        static_cast<int64_t>(t.storage().nbytes()) / g.esize - t.storage_offset();
-    TORCH_CHECK(reach < avail, op, ": strides ", strides, " reach element ", reach,
-                " but the layer holds ", avail, " elements from its start");
-  }
+  check_paged(op, layers, strides, block_size, kernel_block_size, num_blocks, g);
   return g;
 }
 

@@ -194,12 +194,6 @@ Geometry multi_geometry(const char* op, at::TensorList layers, const at::Tensor&
     TORCH_CHECK(t.scalar_type() == first.scalar_type(), op, ": chunk dtypes differ");
     C += t.size(0);
   }
-  TORCH_CHECK(strides.size() == 6, op, ": strides must be [block, sub, tok, head, kv, dim], got ",
-              strides.size(), " values");
-  TORCH_CHECK(kernel_block_size > 0 && block_size > 0 && block_size % kernel_block_size == 0, op,
-              ": block_size ", block_size, " must be a positive multiple of kernel_block_size ",
-              kernel_block_size);
-  TORCH_CHECK(num_blocks > 0, op, ": num_blocks must be > 0, got ", num_blocks);
   Geometry g;
   g.C = C;
   g.L = first.size(1);
@@ -221,27 +215,8 @@ Geometry multi_geometry(const char* op, at::TensorList layers, const at::Tensor&
                 " != chunk dtype ", first.scalar_type());
     TORCH_CHECK(t.device() == layers[0].device(), op, ": layers on different devices");
   }
-  g.s_block = strides[0];
-  g.s_sub = strides[1];
-  g.s_tok = strides[2];
-  g.s_head = strides[3];
-  g.s_kv = strides[4];
-  g.s_dim = strides[5];
-  g.block_size = block_size;
-  g.kbs = kernel_block_size;
-  g.num_blocks = num_blocks;
   g.esize = first.element_size();
-  for (int64_t st : strides) TORCH_CHECK(st >= 0, op, ": negative stride ", st, " in ", strides);
-  const int64_t r = block_size / kernel_block_size;
-  const int64_t reach = (num_blocks - 1) * g.s_block + (r - 1) * g.s_sub +
-                        (kernel_block_size - 1) * g.s_tok + (g.H - 1) * g.s_head +
-                        (g.KV - 1) * g.s_kv + (g.D - 1) * g.s_dim;
-  for (const auto& t : layers) {
-    const int64_t avail =
-        static_cast<int64_t>(t.storage().nbytes()) / g.esize - t.storage_offset();
-    TORCH_CHECK(reach < avail, op, ": strides ", strides, " reach element ", reach,
-                " but the layer holds ", avail, " elements from its start");
-  }
+  check_paged(op, layers, strides, block_size, kernel_block_size, num_blocks, g);
   return g;
 }
 

@@ -94,6 +94,41 @@ def generate(llm, prompts: Sequence[list[int]], max_tokens: int = 12) -> list[Re
     return [Result(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
 
 
+def seed_method(llm, probe: Probe, prompts: Sequence[list[int]], want: Sequence[list[int]],
+                chunk: int, extra=None) -> list[tuple]:
+    """Each prompt cold, then warm after every block was poisoned; the failed checks per prompt.
+
+    Checks: cold output = reference and no hit; warm output = reference; vLLM's
+    ``num_cached_tokens``, the plugin's loaded tokens and bytes and the poisoned target
+    tokens all equal the plan.  ``extra(before, after, hit)`` adds checks on the stats.
+    """
+    import vllm_kvplugin
+    from vllm_kvplugin.planner import max_loadable_tokens
+
+    bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
+    problems = []
+    for p, expect in zip(prompts, want):
+        n = len(p)
+        cold = generate(llm, [p])[0]
+        probe.poison_all_blocks(seed=n)
+        before, loads_before = vllm_kvplugin.stats(), len(probe.loads)
+        warm = generate(llm, [p])[0]
+        after = vllm_kvplugin.stats()
+        hit = max_loadable_tokens(n, chunk)
+        got = {
+            "cold": cold.token_ids == expect and cold.num_cached_tokens == 0,
+            "warm": warm.token_ids == expect,
+            "num_cached_tokens": warm.num_cached_tokens == hit,
+            "loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"] == hit,
+            "loaded_bytes": after["loaded_bytes"] - before["loaded_bytes"] == hit * bpt,
+            "poisoned": [t for _, t in probe.loads[loads_before:]] == ([hit] if hit else []),
+            **(extra(before, after, hit) if extra else {}),
+        }
+        if not all(got.values()):
+            problems.append((n, sorted(k for k, v in got.items() if not v), warm.num_cached_tokens, hit))
+    return problems
+
+
 class Probe:
     """Class-level hooks on the connector's worker half (in-process engines only)."""
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from harness import Probe, engine, generate, prompt, reset_vllm_globals, shutdown
+from harness import Probe, engine, generate, prompt, reset_vllm_globals, seed_method, shutdown
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
-from vllm_kvplugin.planner import max_loadable_tokens
 
 pytestmark = pytest.mark.engine
 
@@ -72,26 +71,7 @@ def test_hit_is_identical_to_recompute(cfg: Config, request):
     with Probe().installed() as probe:
         llm = engine(model, cfg.block, {"chunk_size": cfg.chunk, "cpu_bytes": 1 << 30}, budget=cfg.chunk)
         try:
-            bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
-            problems = []
-            for n, p, expect in zip(lengths, prompts, want):
-                cold = generate(llm, [p])[0]
-                probe.poison_all_blocks(seed=n)
-                before = vllm_kvplugin.stats()
-                loads_before = len(probe.loads)
-                warm = generate(llm, [p])[0]
-                after = vllm_kvplugin.stats()
-                hit = max_loadable_tokens(n, cfg.chunk)
-                got = {
-                    "cold": cold.token_ids == expect and cold.num_cached_tokens == 0,
-                    "warm": warm.token_ids == expect,
-                    "num_cached_tokens": warm.num_cached_tokens == hit,
-                    "loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"] == hit,
-                    "loaded_bytes": after["loaded_bytes"] - before["loaded_bytes"] == hit * bpt,
-                    "poisoned": [t for _, t in probe.loads[loads_before:]] == ([hit] if hit else []),
-                }
-                if not all(got.values()):
-                    problems.append((n, {k: v for k, v in got.items() if not v}, warm.num_cached_tokens, hit))
+            problems = seed_method(llm, probe, prompts, want, cfg.chunk)
             assert not problems, f"{cfg.id}: (length, failed checks, num_cached_tokens, planned) {problems}"
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
             assert generate(llm, [unseen])[0].token_ids == want[-1], "a never-seen prompt after the hits"

@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Probe, engine, generate, prompt, shutdown
+from harness import Probe, engine, generate, prompt, seed_method, shutdown
 from test_cache_hits import _baseline
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
-from vllm_kvplugin.planner import max_loadable_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from srvutil import ServerProc  # noqa: E402
@@ -62,26 +61,12 @@ def test_hit_through_server_at_any_prefix_length(qwen3_model, server):
         llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
                      budget=CHUNK, max_model_len=33_000)
         try:
-            bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
-            problems = []
-            for n, p, expect in zip(lengths, prompts, want):
-                cold = generate(llm, [p])[0]
-                probe.poison_all_blocks(seed=n)
-                before = vllm_kvplugin.stats()
-                warm = generate(llm, [p])[0]
-                after = vllm_kvplugin.stats()
-                hit = max_loadable_tokens(n, CHUNK)
-                got = {
-                    "cold": cold.token_ids == expect and cold.num_cached_tokens == 0,
-                    "warm": warm.token_ids == expect,
-                    "num_cached_tokens": warm.num_cached_tokens == hit,
-                    "server_hit_tokens": _delta(before, after, "server_hit_tokens") == hit,
-                    "loaded_bytes": _delta(before, after, "loaded_bytes") == hit * bpt,
-                    "served==planned": _delta(before, after, "server_served_bytes")
-                    == _delta(before, after, "server_planned_bytes"),
-                }
-                if not all(got.values()):
-                    problems.append((n, {k: v for k, v in got.items() if not v}, warm.num_cached_tokens, hit))
+            def server_checks(before, after, hit):
+                return {"server_hit_tokens": _delta(before, after, "server_hit_tokens") == hit,
+                        "served==planned": _delta(before, after, "server_served_bytes")
+                        == _delta(before, after, "server_planned_bytes")}
+
+            problems = seed_method(llm, probe, prompts, want, CHUNK, server_checks)
             assert not problems, f"(length, failed checks, num_cached_tokens, planned) {problems}"
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
             s = vllm_kvplugin.stats()

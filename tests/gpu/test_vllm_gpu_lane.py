@@ -24,12 +24,11 @@ vllm = pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
-from harness import Probe, engine, generate, prompt, shutdown  # noqa: E402
+from harness import Probe, engine, generate, prompt, seed_method, shutdown  # noqa: E402
 
 import vllm_kvplugin  # noqa: E402
 from vllm_kvplugin import counters  # noqa: E402
 from vllm_kvplugin.layout.descriptor import ContentSemantics  # noqa: E402
-from vllm_kvplugin.planner import max_loadable_tokens  # noqa: E402
 
 CHUNK, BLOCK = 256, 16
 LENGTHS = [2600, 8 * CHUNK, 8 * CHUNK + 1, 40 * CHUNK]  # the seed's ~2,600 tokens, multiples +-
@@ -68,19 +67,7 @@ def test_seed_method_on_gpu(model, backend):
             layout = probe.worker.layouts[0]
             assert layout.semantics is ContentSemantics.GPU_FUSED and backend in layout.source, layout.describe()
             assert probe.worker.engine.name != "cpu" and probe.worker.device.type == "cuda"
-            problems = []
-            for n, p, w in zip(LENGTHS, prompts, want):
-                cold = generate(llm, [p])[0]
-                probe.poison_all_blocks(seed=n)
-                before = vllm_kvplugin.stats()
-                warm = generate(llm, [p])[0]
-                after = vllm_kvplugin.stats()
-                hit = max_loadable_tokens(n, CHUNK)
-                checks = {"cold": cold.token_ids == w, "warm": warm.token_ids == w,
-                          "num_cached_tokens": warm.num_cached_tokens == hit,
-                          "loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"] == hit}
-                if not all(checks.values()):
-                    problems.append((n, {k: v for k, v in checks.items() if not v}))
+            problems = seed_method(llm, probe, prompts, want, CHUNK)
             print(f"GPU LANE {backend}: {layout.describe()}; engine {probe.worker.engine.name}; "
                   f"stats {vllm_kvplugin.stats()}; KV chunks compared {probe.kv_checked}")
             assert not problems, problems
