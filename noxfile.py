@@ -309,7 +309,7 @@ def _make_cpu_session(entry: dict):
         if other:  # the two-engine server test then runs its second engine on another vLLM version
             env["KVPLUGIN_OTHER_VLLM_PYTHON"] = other
         with _step(session, "pytest"):
-            session.run("pytest", *_pytest_args(session, ["tests"]), "-m", "not gpu",
+            session.run("pytest", *_pytest_args(session, ["tests"]), "-m", entry.get("markers", "not gpu"),
                         "-n", os.environ.get("KVPLUGIN_TEST_WORKERS", str(min(2, os.cpu_count() or 1))),
                         "--durations=10", env=env)
 

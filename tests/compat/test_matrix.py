@@ -15,7 +15,7 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX_PATH = ROOT / "compat" / "matrix.toml"
 KEYS = {"version", "torch", "wheel", "torch_install", "adapter", "lanes", "ci"}
-OPTIONAL = {"env"}
+OPTIONAL = {"env", "markers"}
 
 
 def _entries() -> list[dict]:
@@ -52,6 +52,8 @@ def test_entries_are_well_formed():
         for k, val in e.get("env", {}).items():
             if not isinstance(val, str):
                 problems.append(f"{v}: env {k} must be a string")
+        if "markers" in e and "not gpu" not in e["markers"]:
+            problems.append(f"{v}: markers {e['markers']!r} must leave out the gpu tests")
     versions = [_v(e["version"]) for e in entries]
     if versions != sorted(versions):
         problems.append("versions are not in ascending order")

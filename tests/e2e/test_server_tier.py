@@ -49,6 +49,7 @@ def _delta(before: dict, after: dict, key: str):
     return after[key] - before[key]
 
 
+@pytest.mark.slow
 def test_hit_through_server_at_any_prefix_length(qwen3_model, server):
     lengths = [CHUNK // 2, CHUNK, CHUNK + 1]
     for k in (127, 128, 129):
