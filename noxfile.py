@@ -286,12 +286,19 @@ def _lane_env(entry: dict, tests: bool = True) -> dict[str, str]:
     return env
 
 
+def _plugin_version_file(venv: Path) -> str | None:
+    found = list(venv.glob("lib/python*/site-packages/vllm_kvplugin/_version.py"))
+    return found[0].read_text() if found else None
+
+
 def _other_cpu_lane_python(session: nox.Session) -> str | None:
-    """The interpreter of another CPU lane's venv that holds the plugin, if one was built."""
+    """The interpreter of another CPU lane's venv holding this very build of the plugin
+    (a venv left from an older checkout would compare two different plugins)."""
     here = _venv_dir(session).resolve()
+    mine = _plugin_version_file(here)
     for py in sorted(here.parent.glob("cpu-*/bin/python")):
         venv = py.parent.parent.resolve()
-        if venv != here and list(venv.glob("lib/python*/site-packages/vllm_kvplugin")):
+        if venv != here and mine is not None and _plugin_version_file(venv) == mine:
             return str(py)
     return None
 
