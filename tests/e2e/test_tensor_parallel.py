@@ -1,0 +1,80 @@
+"""Tensor parallel (TP=2) on the CPU: every rank stores and loads its own slice.
+
+Real TP=2 engines (two spawned CPU workers, one core each) in a child process
+(:mod:`tp_child`), the seeds' method per prompt, through the in-process tier
+and through a real cache server: outputs equal to the cold run and to a
+no-connector TP=2 engine, ``num_cached_tokens`` equal to the plan, and in each
+rank's own process that rank loaded exactly the planned tokens, with bytes =
+tokens x that rank's bytes per token (half of the model's KV: each rank holds
+half of the KV heads), after every block of every rank was overwritten with noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_server_tier import server, workdir  # noqa: F401  (fixtures)
+
+from vllm_kvplugin import tiny_model
+from vllm_kvplugin.planner import max_loadable_tokens
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+CHUNK, BLOCK = 64, 32
+LENGTHS = [40, 4 * CHUNK, 4 * CHUNK + 1, 20 * CHUNK + 5]
+CHILD = Path(__file__).with_name("tp_child.py")
+
+
+def _run_tp(model: str, server_address: str = "") -> dict:
+    argv = [sys.executable, str(CHILD), "--model", model, "--chunk", str(CHUNK), "--block", str(BLOCK),
+            "--lengths", *map(str, LENGTHS)]
+    if server_address:
+        argv += ["--server", server_address]
+    # vLLM binds each CPU worker's OpenMP threads to NUMA nodes unless told the cores
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("KVPLUGIN_TP_BIND", "0|1"),
+               TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd="/", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return json.loads(out.stdout.split("RESULT ", 1)[1])
+
+
+def _check(res: dict) -> list:
+    problems = []
+    spec = tiny_model.QWEN3
+    full_bpt = spec.layers * 2 * spec.kv_heads * spec.head_dim * 2  # bf16, every head
+    for row in res["rows"]:
+        hit = max_loadable_tokens(row["length"], CHUNK)
+        ranks = row["ranks"]
+        got = {
+            "cold": row["cold"] == row["want"] and row["cold_cached"] == 0,
+            "warm": row["warm"] == row["want"],
+            "num_cached_tokens": row["warm_cached"] == hit,
+            "both ranks": sorted(r["rank"] for r in ranks) == [0, 1] and all(r["world"] == 2 for r in ranks),
+            "poisoned": len(row["poisoned_elements"]) == 2 and all(n > 0 for n in row["poisoned_elements"]),
+            "half the heads": all(2 * r["bytes_per_token"] == full_bpt for r in ranks),
+            "loaded_tokens": all(r["loaded_tokens"] == hit for r in ranks),
+            "loaded_bytes": all(r["loaded_bytes"] == hit * r["bytes_per_token"] for r in ranks),
+            "no failures": all(not r["load_failures"] for r in ranks),
+        }
+        if not all(got.values()):
+            problems.append((row["length"], sorted(k for k, v in got.items() if not v), row))
+    return problems
+
+
+def test_tp2_local_tier(qwen3_model):
+    res = _run_tp(qwen3_model)
+    assert not _check(res), _check(res)
+    assert res["scheduler"]["hit_tokens"] == sum(max_loadable_tokens(n, CHUNK) for n in LENGTHS)
+
+
+def test_tp2_through_the_server(qwen3_model, server):  # noqa: F811
+    res = _run_tp(qwen3_model, server.address)
+    assert not _check(res), _check(res)
+    s = res["scheduler"]
+    assert s["server_hit_tokens"] == sum(max_loadable_tokens(n, CHUNK) for n in LENGTHS)
+    assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
