@@ -16,6 +16,12 @@ t0=$(date +%s)
 (cd .gpulane && sha256sum -c SHA256) || { echo "payload checksum mismatch"; exit 1; }
 xz -dc .gpulane/site.tar.xz | tar -xf - -C /tmp/site || exit 1
 echo "unpacked in $(( $(date +%s) - t0 )) s"
+# the checkout runs from PYTHONPATH; a dist-info beside the payload gives vLLM the plugin's entry
+# point as a pip install would (TP workers and child processes find the connector through it)
+DI=/tmp/site/vllm_kvplugin-0.1.0.dist-info
+mkdir -p "$DI"
+printf 'Metadata-Version: 2.1\nName: vllm-kvplugin\nVersion: 0.1.0\n' > "$DI/METADATA"
+printf '[vllm.general_plugins]\nkvplugin = vllm_kvplugin.plugin:register\n' > "$DI/entry_points.txt"
 export PYTHONPATH="/tmp/site:$ROOT" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
        VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
        VLLM_CACHE_ROOT=/tmp/gl-cache/vllm VLLM_KVPLUGIN_CACHE=/tmp/gl-cache/kvplugin \

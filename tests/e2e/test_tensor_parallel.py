@@ -30,7 +30,7 @@ LENGTHS = [40, 4 * CHUNK, 4 * CHUNK + 1, 20 * CHUNK + 5]
 CHILD = Path(__file__).with_name("tp_child.py")
 
 
-def _run_tp(model: str, server_address: str = "") -> dict:
+def _run_tp(model: str, server_address: str = "", timeout: int = 1200) -> dict:
     argv = [sys.executable, str(CHILD), "--model", model, "--chunk", str(CHUNK), "--block", str(BLOCK),
             "--lengths", *map(str, LENGTHS)]
     if server_address:
@@ -38,7 +38,7 @@ def _run_tp(model: str, server_address: str = "") -> dict:
     # vLLM binds each CPU worker's OpenMP threads to NUMA nodes unless told the cores
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("KVPLUGIN_TP_BIND", "0|1"),
                TORCHDYNAMO_DISABLE="1")
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd="/", env=env)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd="/", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return json.loads(out.stdout.split("RESULT ", 1)[1])
 

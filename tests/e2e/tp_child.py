@@ -1,4 +1,4 @@
-"""Tensor parallel (TP=2) engines on the CPU, the seeds' method, run as a script.
+"""Tensor parallel (TP=2) engines (CPU, or two GPUs), the seeds' method, run as a script.
 
 vLLM starts the TP workers as spawned processes, which re-import the main
 module: an engine with TP > 1 cannot start inside a pytest(-xdist) worker, so
@@ -40,8 +40,8 @@ def poison_all_blocks(worker, seed: int) -> int:
     n = 0
     for layers in _connector_worker().layers:
         for i, t in enumerate(layers):
-            gen = torch.Generator().manual_seed(seed * 1000 + i)
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            gen = torch.Generator(device=t.device).manual_seed(seed * 1000 + i)
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))
             n += t.numel()
     return n
 

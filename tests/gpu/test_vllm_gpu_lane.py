@@ -7,7 +7,10 @@ CUDA kernels and transfer engine) runs every prompt cold, then warm after
 every KV block was overwritten with noise and the load's target tokens
 poisoned; outputs must be identical, the hit proven by ``num_cached_tokens``,
 ``stats()`` and the KV left in the blocks compared byte for byte with the KV
-the cold forward computed.  Run by ``compat/gpulane/run.sh`` on the H200.
+the cold forward computed.  The same through a real cache server process (the
+workers copy between the GPU cache and the server's page-locked shared pool),
+and with tensor parallelism over two GPUs where the machine has them.  Run by
+``compat/gpulane/run.sh`` on the H200.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ pytestmark = [pytest.mark.gpu,
 vllm = pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from harness import Probe, engine, generate, prompt, seed_method, shutdown  # noqa: E402
+from srvutil import ServerProc  # noqa: E402
 
 import vllm_kvplugin  # noqa: E402
 from vllm_kvplugin import counters  # noqa: E402
@@ -36,8 +41,8 @@ LENGTHS = [2600, 8 * CHUNK, 8 * CHUNK + 1, 40 * CHUNK]  # the seed's ~2,600 toke
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    """The GPU lane runs the plugin from a checkout (PYTHONPATH), not a pip install, so vLLM
-    finds no entry point: register the way the entry point does (tested in the CPU lanes)."""
+    """The GPU lane runs the plugin from a checkout (PYTHONPATH); ``compat/gpulane/run.sh`` adds
+    a dist-info with its entry point, and this registers it too when tests/gpu runs without."""
     from vllm_kvplugin.plugin import register
 
     register()
@@ -51,8 +56,46 @@ def model() -> str:
     return str(tiny_model.build(tiny_model.DEMO))
 
 
+@pytest.fixture
+def server(tmp_path):
+    s = ServerProc(str(tmp_path), "--l1-bytes", "2GiB").start()
+    yield s
+    s.stop()
+
+
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
 def test_seed_method_on_gpu(model, backend):
+    _seed_method_on_gpu(model, backend, {"cpu_bytes": 2 << 30})
+
+
+def test_seed_method_on_gpu_through_the_server(model, server):
+    """The in-process tier off: every hit comes from the server process's pool."""
+    s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 0, "server": server.address})
+    assert s["server_hit_tokens"] == s["hit_tokens"] > 0
+    assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):
+    """TP=2 engines on two GPUs (tests/e2e/tp_child.py): each rank loads exactly its half."""
+    from test_tensor_parallel import LENGTHS, _check, _run_tp
+
+    from vllm_kvplugin.planner import max_loadable_tokens
+
+    srv = ServerProc(str(tmp_path), "--l1-bytes", "1GiB").start() if tier == "server" else None
+    try:
+        res = _run_tp(qwen3_model, srv.address if srv else "", timeout=420)
+    finally:
+        if srv:
+            srv.stop()
+    print(f"GPU LANE TP=2 {tier}: scheduler stats {res['scheduler']}; ranks {res['rows'][-1]['ranks']}")
+    assert not _check(res), _check(res)
+    hits = sum(max_loadable_tokens(n, 64) for n in LENGTHS)
+    assert res["scheduler"]["server_hit_tokens" if srv else "hit_tokens"] == hits
+
+
+def _seed_method_on_gpu(model: str, backend: str, tier: dict) -> dict:
     kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30, attention_config={"backend": backend})
     prompts = [prompt(n, seed=n) for n in LENGTHS]
     base = engine(model, BLOCK, None, **kw)
@@ -62,16 +105,17 @@ def test_seed_method_on_gpu(model, backend):
         shutdown(base)
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 2 << 30}, **kw)
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, **tier}, **kw)
         try:
             layout = probe.worker.layouts[0]
             assert layout.semantics is ContentSemantics.GPU_FUSED and backend in layout.source, layout.describe()
             assert probe.worker.engine.name != "cpu" and probe.worker.device.type == "cuda"
             problems = seed_method(llm, probe, prompts, want, CHUNK)
-            print(f"GPU LANE {backend}: {layout.describe()}; engine {probe.worker.engine.name}; "
+            print(f"GPU LANE {backend} {sorted(tier)}: {layout.describe()}; engine {probe.worker.engine.name}; "
                   f"stats {vllm_kvplugin.stats()}; KV chunks compared {probe.kv_checked}")
             assert not problems, problems
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
             assert vllm_kvplugin.stats()["load_failures"] == {}
+            return vllm_kvplugin.stats()
         finally:
             shutdown(llm)

@@ -98,6 +98,29 @@ class ServerIndex:
         self._client.close()
 
 
+def _page_lock(tensor) -> None:
+    """``cudaHostRegister`` a mapped CPU tensor unless CUDA already knows it as page-locked.
+
+    A failed runtime call also leaves its error as the thread's "last error",
+    which the next CUDA check in torch (any kernel launch or allocation) would
+    raise as its own: consume it here, with a throwaway launch, so that the
+    failure costs only speed (copies from pageable memory), never a store.
+    """
+    import torch
+
+    if tensor.is_pinned():
+        return
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    if int(err) != 0:
+        logger.warning("vllm-kvplugin: cudaHostRegister of the server pool (%d bytes at %#x) failed "
+                       "with CUDA error %d; copies run from pageable memory", tensor.numel(),
+                       tensor.data_ptr(), int(err))
+        try:
+            torch.empty(1, device="cuda").zero_()
+        except RuntimeError:
+            pass
+
+
 class ServerStore:
     """Worker-side access to the server's pool (one client per worker process).
 
@@ -113,17 +136,16 @@ class ServerStore:
         self._generation = -1
 
     def _pool(self):
-        """The pool as a uint8 tensor (re-made, and re-pinned, after the server changed)."""
+        """The pool as a uint8 tensor (re-made, and page-locked, after the server changed).
+
+        A new server instance means a new mapping at a new address (the client keeps
+        the old ones mapped), so each mapping is registered once.
+        """
+        tensor = _call(self._client.pool_tensor)  # connects first: then read the generation
         gen = self._client.pool_generation
-        tensor = _call(self._client.pool_tensor)
         if self._tensor is None or gen != self._generation or tensor.data_ptr() != self._tensor.data_ptr():
             if self._pin:
-                import torch
-
-                err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-                if int(err) != 0:
-                    logger.warning("vllm-kvplugin: cudaHostRegister of the server pool failed (%s); "
-                                   "copies run from pageable memory", err)
+                _page_lock(tensor)
             self._tensor, self._generation = tensor, gen
         return self._tensor
 
