@@ -30,14 +30,18 @@ LENGTHS = [40, 4 * CHUNK, 4 * CHUNK + 1, 20 * CHUNK + 5]
 CHILD = Path(__file__).with_name("tp_child.py")
 
 
+def _cpu_bind() -> str:
+    """One core per CPU worker (vLLM would bind per NUMA node, and there is one here)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
+
+
 def _run_tp(model: str, server_address: str = "", timeout: int = 1200) -> dict:
     argv = [sys.executable, str(CHILD), "--model", model, "--chunk", str(CHUNK), "--block", str(BLOCK),
             "--lengths", *map(str, LENGTHS)]
     if server_address:
         argv += ["--server", server_address]
-    # vLLM binds each CPU worker's OpenMP threads to NUMA nodes unless told the cores
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("KVPLUGIN_TP_BIND", "0|1"),
-               TORCHDYNAMO_DISABLE="1")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=_cpu_bind(), TORCHDYNAMO_DISABLE="1")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd="/", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return json.loads(out.stdout.split("RESULT ", 1)[1])
