@@ -1,0 +1,205 @@
+"""Cold vs warm time-to-first-token on a GPU, side by side with vLLM's own CPU offloading.
+
+Run on the H200 with vLLM's GPU wheel (``bash compat/gpulane/bench.sh ttft``).  The model
+has Qwen3-8B's shape where KV and prefill are concerned (36 layers, hidden 4096, 32 query
+heads, 8 KV heads of dim 128, bf16: 144 KiB of KV per token) with random weights, built
+locally.  Modes, each in its own engine process (in-process engine core, eager), the same
+prompts in the same order:
+
+* ``baseline``   - no connector: every request recomputes;
+* ``kvplugin``   - KVPluginConnector, in-process tier (page-locked host memory);
+* ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
+* ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
+
+Prefix caching is on in every mode, and vLLM's GPU prefix cache is reset before each
+measured request, so a warm request's hit can only come from the connector.  Per prompt
+length: one unmeasured request of that length (kernel warm-up), the cold request, the same
+prompt warm, then 8 greedy tokens compared with the baseline's.  TTFT is the latency of a
+1-token generation.  Results: JSON with the machine and versions, and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
+HOST_BYTES = 12 << 30  # every prompt of the run fits: no eviction in any mode
+KV_BYTES = 16 << 30
+
+
+def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, server: str | None,
+             host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
+    """One engine, all prompts; runs in a child process (``--child``)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import vllm_kvplugin
+
+    ktc = None
+    if mode.startswith("kvplugin"):
+        extra = {"chunk_size": chunk, "cpu_bytes": host_bytes if mode == "kvplugin" else 0}
+        if server:
+            extra["server"] = server
+        ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    elif mode == "vllm-offloading":
+        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"cpu_bytes_to_use": host_bytes})
+    max_len = max(lengths) + 64
+    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
+              kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5, block_size=block, kv_transfer_config=ktc, seed=0,
+              max_num_batched_tokens=max_len)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    spx = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def once(p, params=sp):
+        llm.reset_prefix_cache()  # a hit can only come from the connector
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        return time.perf_counter() - t0, o
+
+    once([random.Random(0).randrange(10, 4000) for _ in range(300)])  # warm-up
+    rows = []
+    for n in lengths:
+        once([random.Random(-n).randrange(10, 4000) for _ in range(n)])  # this length's kernels
+        p = [random.Random(n).randrange(10, 4000) for _ in range(n)]
+        cold, oc = once(p)
+        time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
+        warm, ow = once(p)
+        _, ox = once(p, spx)
+        rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
+                     "warm_cached_tokens": int(ow.num_cached_tokens or 0),
+                     "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
+                     "continuation": list(ox.outputs[0].token_ids)})
+    stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
+    return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
+
+
+def build_model() -> str:
+    """The model, its random weights made on the GPU (seconds instead of minutes on the CPU)."""
+    import torch
+
+    from vllm_kvplugin import tiny_model
+
+    with torch.device("cuda"):
+        return str(tiny_model.build(tiny_model.TinySpec(**SPEC)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="2049,8193,16385")
+    ap.add_argument("--modes", default="baseline,kvplugin,kvplugin-server,vllm-offloading")
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--out", default=str(HERE / "results" / "gpu-ttft-h200.json"))
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--server", default=None)
+    ap.add_argument("--build", action="store_true", help="build the model, print its path")
+    ap.add_argument("--host-bytes", type=int, default=HOST_BYTES)
+    ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.child:
+        print("RESULT " + json.dumps(run_mode(args.child, args.model, lengths, args.block, args.chunk, args.server,
+                                                 args.host_bytes, args.kv_bytes)))
+        return 0
+    if args.build:
+        print("MODEL " + build_model())
+        return 0
+
+    t_build = time.time()  # in a child: this process keeps no CUDA memory the engines need
+    model = args.model
+    if model is None:
+        built = subprocess.run([sys.executable, __file__, "--build"], capture_output=True, text=True)
+        if built.returncode != 0 or "MODEL " not in built.stdout:
+            raise SystemExit(f"model build failed:\n{built.stderr[-3000:]}")
+        model = built.stdout.split("MODEL ", 1)[1].strip()
+    print(f"model built in {time.time() - t_build:.0f} s: {model}", file=sys.stderr, flush=True)
+    server = None
+    if "kvplugin-server" in args.modes.split(","):
+        sockdir = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
+        server = subprocess.Popen([sys.executable, "-m", "vllm_kvplugin.server", "--listen",
+                                   f"unix://{sockdir}/s.sock", "--l1-bytes", str(args.host_bytes)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        banner = server.stdout.readline()
+        args.server = banner.split("listening on ", 1)[1].split(" ", 1)[0]
+    results, errors = [], {}
+    for mode in args.modes.split(","):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", model, "--lengths", args.lengths,
+                              "--block", str(args.block), "--chunk", str(args.chunk),
+                              "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
+                             + (["--server", args.server] if mode == "kvplugin-server" else []),
+                             capture_output=True, text=True)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode != 0 or not line:
+            errors[mode] = out.stderr[-3000:]
+            print(f"{mode}: FAILED\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
+            continue
+        res = json.loads(line[0][7:])
+        res["wall_s"] = round(time.time() - t0, 1)
+        results.append(res)
+        print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr, flush=True)
+    if server is not None:
+        server.terminate()
+        server.wait(30)
+    import torch
+    import vllm
+
+    from vllm_kvplugin import __version__
+
+    by_mode = {r["mode"]: {row["prompt_tokens"]: row for row in r["rows"]} for r in results}
+    base = by_mode.get("baseline", {})
+    summary = []
+    for n in lengths:
+        row = {"prompt_tokens": n}
+        for mode, rows in by_mode.items():
+            r = rows[n]
+            row[f"{mode}_cold_s"] = r["cold_s"]
+            row[f"{mode}_warm_s"] = r["warm_s"]
+            row[f"{mode}_warm_cached_tokens"] = r["warm_cached_tokens"]
+            row[f"{mode}_warm_speedup"] = round(r["cold_s"] / r["warm_s"], 2)
+            if base and mode != "baseline":
+                row[f"{mode}_continuation_matches_baseline"] = r["continuation"] == base[n]["continuation"]
+        if "kvplugin" in by_mode and "vllm-offloading" in by_mode:
+            row["vllm_offloading_warm_over_kvplugin_warm"] = round(
+                by_mode["vllm-offloading"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
+        summary.append(row)
+    gpu = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if gpu else None
+    doc = {
+        "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"),
+        "machine": {"gpu": torch.cuda.get_device_name(0) if gpu else None,
+                    "gpu_memory_GiB": round(props.total_memory / 2**30, 1) if props else None,
+                    "cores": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "vllm_kvplugin": __version__},
+        "model": SPEC if args.model is None else args.model, "kv_bytes_per_token": SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2,
+        "block_size": args.block, "chunk_size": args.chunk, "host_bytes": args.host_bytes,
+        "summary": summary, "modes": results, "errors": errors,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    cols = ["prompt_tokens"] + [k for k in summary[0] if k.endswith(("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm"))]
+    print(" | ".join(cols))
+    for row in summary:
+        print(" | ".join(str(row.get(c, "")) for c in cols))
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
