@@ -8,6 +8,7 @@ prompts in the same order:
 
 * ``baseline``   - no connector: every request recomputes;
 * ``kvplugin``   - KVPluginConnector, in-process tier (page-locked host memory);
+* ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -51,7 +52,9 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
 
     ktc = None
     if mode.startswith("kvplugin"):
-        extra = {"chunk_size": chunk, "cpu_bytes": host_bytes if mode == "kvplugin" else 0}
+        extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode == "kvplugin-server" else host_bytes}
+        if mode == "kvplugin-noverify":  # what the payload checksums cost
+            extra["verify_checksums"] = False
         if server:
             extra["server"] = server
         ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
@@ -74,7 +77,8 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
     once([random.Random(0).randrange(10, 4000) for _ in range(300)])  # warm-up
     rows = []
     for n in lengths:
-        once([random.Random(-n).randrange(10, 4000) for _ in range(n)])  # this length's kernels
+        # this length's kernels, on other tokens (Random(-n) would seed like Random(n))
+        once([random.Random(10**6 + n).randrange(10, 4000) for _ in range(n)])
         p = [random.Random(n).randrange(10, 4000) for _ in range(n)]
         cold, oc = once(p)
         time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
@@ -101,7 +105,7 @@ def build_model() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2049,8193,16385")
-    ap.add_argument("--modes", default="baseline,kvplugin,kvplugin-server,vllm-offloading")
+    ap.add_argument("--modes", default="baseline,kvplugin,kvplugin-noverify,kvplugin-server,vllm-offloading")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu-ttft-h200.json"))

@@ -22,6 +22,7 @@ import torch
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
+from vllm_kvplugin.chunk.checksums import payload_checksums
 from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
     ChunkError,
@@ -169,6 +170,8 @@ class WorkerSide:
             except TierTrouble as e:
                 trouble = e
         n_remote = 0
+        checked: list[list[tuple[int, memoryview, torch.Tensor]]] = []  # per job, per group
+        failure: tuple[int, ChunkError | TierTrouble] | None = None
         for n, job in enumerate(jobs):
             try:
                 got = []
@@ -186,15 +189,29 @@ class WorkerSide:
                         if header is None:
                             raise ChunkError("missing", f"slot {job.slot} holds no chunk")
                     expect = self._expect(layout, job)
-                    check_chunk(header, _bytes_of(payload), expect, self.cfg.verify_checksums)
-                    got.append(payload.view(layout.dtype).view(1, *expect.shape))
-                for g, t in enumerate(got):
-                    bufs[g].append(t)
+                    data = _bytes_of(payload)
+                    checksum = check_chunk(header, data, expect, verify_checksum=False).checksum
+                    got.append((checksum, data, payload.view(layout.dtype).view(1, *expect.shape)))
+                checked.append(got)
                 n_remote += bool(job.lease)
             except (ChunkError, TierTrouble) as e:
-                logger.warning("vllm-kvplugin: %s chunk %d not served (%s); recomputing",
-                               req_id, job.chunk_index, e)
-                return bufs, n, e.reason
+                failure = (n, e)
+                break
+        if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte moves
+            sums = iter(payload_checksums([data for got in checked for _, data, _ in got]))
+            for n, got in enumerate(checked):
+                if any(want != next(sums) for want, _, _ in got):
+                    failure = (n, ChunkError("checksum", "payload bytes do not match the header checksum"))
+                    checked = checked[:n]
+                    break
+        for got in checked:
+            for g, (_, _, t) in enumerate(got):
+                bufs[g].append(t)
+        if failure is not None:
+            n, e = failure
+            logger.warning("vllm-kvplugin: %s chunk %d not served (%s); recomputing",
+                           req_id, jobs[n].chunk_index, e)
+            return bufs, n, e.reason
         return bufs, len(jobs), None
 
     def _load_jobs(self, jobs: Sequence[ChunkJob], bufs: list[list[torch.Tensor]], moved: list[int]) -> None:
@@ -273,14 +290,15 @@ class WorkerSide:
             if not all(self.engine.done(t) for t in tickets):
                 still.append((tickets, local, remote, t0))
                 continue
-            nbytes = 0
+            payloads = [_bytes_of(self.pool.payload(lay.group_index, job.slot))
+                        for job in local for lay in self.layouts]
+            done = iter(zip(payloads, payload_checksums(payloads)))
+            nbytes = sum(p.nbytes for p in payloads)
             for job in local:
                 for layout in self.layouts:
                     g = layout.group_index
-                    payload = _bytes_of(self.pool.payload(g, job.slot))
-                    header = ChunkHeader.for_payload(self._expect(layout, job), payload)
+                    header = ChunkHeader.for_payload(self._expect(layout, job), *next(done))
                     self.pool.set_header(g, job.slot, header.pack())
-                    nbytes += payload.nbytes
                 self._meta.stored[job.slot] = self._meta.stored.get(job.slot, 0) + 1
             nbytes += self._publish(remote)
             counters.WORKER.add(stored_tokens=self.chunk_size * (len(local) + len(remote)), stored_bytes=nbytes,
@@ -291,14 +309,14 @@ class WorkerSide:
         """Headers into the server's pool, then commit: the objects become visible only now."""
         if not remote:
             return 0
-        nbytes = 0
+        payloads = [_bytes_of(payload_t) for _, views in remote for _, payload_t in views]
+        done = iter(zip(payloads, payload_checksums(payloads)))
+        nbytes = sum(p.nbytes for p in payloads)
         oids = []
         for job, views in remote:
-            for layout, (header_t, payload_t) in zip(self.layouts, views):
-                payload = _bytes_of(payload_t)
-                header = ChunkHeader.for_payload(self._expect(layout, job), payload).pack()
+            for layout, (header_t, _) in zip(self.layouts, views):
+                header = ChunkHeader.for_payload(self._expect(layout, job), *next(done)).pack()
                 header_t.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-                nbytes += payload.nbytes
             oids += self._oids(job)
         try:
             ok = self.server.commit(oids)

@@ -1,0 +1,51 @@
+"""Parallel payload checksums: the same values, in order, as the one-thread function."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from vllm_kvplugin.chunk import checksums
+from vllm_kvplugin.chunk.format import payload_checksum
+
+
+def _payloads(n: int, nbytes: int) -> list[memoryview]:
+    rng = np.random.default_rng(n)
+    return [memoryview(rng.integers(0, 256, nbytes, dtype=np.uint8)) for _ in range(n)]
+
+
+def test_small_inputs_stay_on_the_calling_thread(monkeypatch):
+    seen = set()
+    monkeypatch.setattr(checksums, "payload_checksum",
+                        lambda p: seen.add(threading.get_ident()) or payload_checksum(p))
+    ps = _payloads(3, 1 << 10)
+    assert checksums.payload_checksums(ps) == [payload_checksum(p) for p in ps]
+    assert seen == {threading.get_ident()}
+
+
+def test_large_inputs_hashed_on_the_pool_in_order(monkeypatch):
+    seen = set()
+    monkeypatch.setattr(checksums, "payload_checksum",
+                        lambda p: seen.add(threading.get_ident()) or payload_checksum(p))
+    ps = _payloads(12, 1 << 20)  # 12 MiB in all: above PARALLEL_MIN_BYTES
+    want = [payload_checksum(p) for p in ps]
+    assert len(set(want)) == len(want)
+    assert checksums.payload_checksums(ps) == want
+    assert threading.get_ident() not in seen
+
+
+def test_a_forked_child_makes_its_own_pool():
+    ps = _payloads(12, 1 << 20)
+    want = [payload_checksum(p) for p in ps]
+    assert checksums.payload_checksums(ps) == want
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the parent's worker threads do not exist here
+        ok = checksums.payload_checksums(ps) == want
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
