@@ -279,15 +279,23 @@ class WorkerSide:
             logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
             return []
 
-    def _finish_stores(self) -> None:
+    def _finish_stores(self, wait: bool = False) -> None:
         """Write headers (with checksums) of stores whose bytes reached the host; publish them.
 
-        Called after issuing stores and at the end of every step: a store still
-        in flight (GPU DMA) is finished at a later step.
+        Called after issuing stores (``wait=False``: whatever is done already) and
+        at the end of every step (``wait=True``). The end of a step waits for the
+        step's DMAs: the scheduler learns of a stored chunk only from a step's
+        output, and an idle engine runs no further step, so a store finished
+        later would stay invisible to the next request (measured on the H200: a
+        repeated 16k-token prompt missed). The wait costs the step the rest of its
+        stores' link time, as vLLM's own CPU offloading pays in its cold requests.
         """
         still = []
         for tickets, local, remote, t0 in self._pending_stores:
-            if not all(self.engine.done(t) for t in tickets):
+            if wait:
+                for t in tickets:
+                    self.engine.wait(t)
+            elif not all(self.engine.done(t) for t in tickets):
                 still.append((tickets, local, remote, t0))
                 continue
             payloads = [_bytes_of(self.pool.payload(lay.group_index, job.slot))
@@ -339,7 +347,7 @@ class WorkerSide:
         return out
 
     def take_meta(self) -> KVPluginWorkerMeta | None:
-        self._finish_stores()
+        self._finish_stores(wait=True)
         if self._meta.is_empty():
             return None
         out, self._meta = self._meta, KVPluginWorkerMeta()
