@@ -23,13 +23,15 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ttft_common import print_table, run_modes, start_server, summarize  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -109,53 +111,26 @@ def main() -> int:
     from vllm_kvplugin import __version__, tiny_model
 
     model = str(tiny_model.build(tiny_model.DEMO))
-    results = []
     server = None
     if "kvplugin-server" in args.modes.split(",") and not args.server:
-        sockdir = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
-        server = subprocess.Popen([sys.executable, "-m", "vllm_kvplugin.server", "--listen",
-                                   f"unix://{sockdir}/s.sock", "--l1-bytes", "16GiB"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        banner = server.stdout.readline()
-        args.server = banner.split("listening on ", 1)[1].split(" ", 1)[0]
-    for mode in args.modes.split(","):
-        t0 = time.time()
-        out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", model, "--lengths", args.lengths,
-                              "--block", str(args.block), "--chunk", str(args.chunk)]
-                             + (["--server", args.server] if args.server and mode == "kvplugin-server" else []),
-                             capture_output=True, text=True)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode != 0 or not line:
-            print(out.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"mode {mode} failed")
-        res = json.loads(line[0][7:])
-        res["wall_s"] = round(time.time() - t0, 1)
-        results.append(res)
-        print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr)
+        server, args.server = start_server(16 << 30)
+
+    def child_args(mode: str) -> list[str]:
+        return (["--model", model, "--lengths", args.lengths, "--block", str(args.block),
+                 "--chunk", str(args.chunk)]
+                + (["--server", args.server] if args.server and mode == "kvplugin-server" else []))
+
+    results, _ = run_modes(__file__, args.modes.split(","), child_args, keep_going=False)
     if server is not None:
         server.terminate()
         server.wait(30)
     import torch
     import vllm
 
-    by_mode = {r["mode"]: {row["prompt_tokens"]: row for row in r["rows"]} for r in results}
-    base = by_mode.get("baseline", {})
-    summary = []
-    for n in lengths:
-        row = {"prompt_tokens": n}
-        for mode, rows in by_mode.items():
-            r = rows[n]
-            row[f"{mode}_cold_s"] = r["cold_s"]
-            row[f"{mode}_warm_s"] = r["warm_s"]
-            row[f"{mode}_warm_speedup"] = round(r["cold_s"] / r["warm_s"], 2)
-            if base and mode != "baseline":
-                row[f"{mode}_continuation_matches_baseline"] = r["continuation"] == base[n]["continuation"]
-        if "kvplugin" in by_mode and "example" in by_mode:
-            row["kvplugin_vs_example_warm_ratio"] = round(by_mode["example"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
-        if "kvplugin" in by_mode and "kvplugin-server" in by_mode:
-            row["server_vs_inprocess_warm_ratio"] = round(
-                by_mode["kvplugin-server"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
-        summary.append(row)
+    summary = summarize(results, lengths, {
+        "kvplugin_vs_example_warm_ratio": ("example", "kvplugin"),
+        "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin"),
+    })
     doc = {
         "benchmark": "cpu_ttft", "date": time.strftime("%Y-%m-%d"),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
@@ -165,10 +140,7 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    cols = ["prompt_tokens"] + [k for k in summary[0] if k.endswith(("_cold_s", "_warm_s", "ratio"))]
-    print(" | ".join(cols))
-    for row in summary:
-        print(" | ".join(str(row.get(c, "")) for c in cols))
+    print_table(summary, ("_cold_s", "_warm_s", "ratio"))
     return 0
 
 

@@ -27,12 +27,13 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from ttft_common import print_table, run_modes, start_server, summarize  # noqa: E402
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
 HOST_BYTES = 12 << 30  # every prompt of the run fits: no eviction in any mode
@@ -135,29 +136,15 @@ def main() -> int:
     print(f"model built in {time.time() - t_build:.0f} s: {model}", file=sys.stderr, flush=True)
     server = None
     if "kvplugin-server" in args.modes.split(","):
-        sockdir = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
-        server = subprocess.Popen([sys.executable, "-m", "vllm_kvplugin.server", "--listen",
-                                   f"unix://{sockdir}/s.sock", "--l1-bytes", str(args.host_bytes)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        banner = server.stdout.readline()
-        args.server = banner.split("listening on ", 1)[1].split(" ", 1)[0]
-    results, errors = [], {}
-    for mode in args.modes.split(","):
-        t0 = time.time()
-        out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", model, "--lengths", args.lengths,
-                              "--block", str(args.block), "--chunk", str(args.chunk),
-                              "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
-                             + (["--server", args.server] if mode == "kvplugin-server" else []),
-                             capture_output=True, text=True)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode != 0 or not line:
-            errors[mode] = out.stderr[-3000:]
-            print(f"{mode}: FAILED\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
-            continue
-        res = json.loads(line[0][7:])
-        res["wall_s"] = round(time.time() - t0, 1)
-        results.append(res)
-        print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr, flush=True)
+        server, args.server = start_server(args.host_bytes)
+
+    def child_args(mode: str) -> list[str]:
+        return (["--model", model, "--lengths", args.lengths, "--block", str(args.block),
+                 "--chunk", str(args.chunk), "--host-bytes", str(args.host_bytes),
+                 "--kv-bytes", str(args.kv_bytes)]
+                + (["--server", args.server] if mode == "kvplugin-server" else []))
+
+    results, errors = run_modes(__file__, args.modes.split(","), child_args, keep_going=True)
     if server is not None:
         server.terminate()
         server.wait(30)
@@ -166,23 +153,8 @@ def main() -> int:
 
     from vllm_kvplugin import __version__
 
-    by_mode = {r["mode"]: {row["prompt_tokens"]: row for row in r["rows"]} for r in results}
-    base = by_mode.get("baseline", {})
-    summary = []
-    for n in lengths:
-        row = {"prompt_tokens": n}
-        for mode, rows in by_mode.items():
-            r = rows[n]
-            row[f"{mode}_cold_s"] = r["cold_s"]
-            row[f"{mode}_warm_s"] = r["warm_s"]
-            row[f"{mode}_warm_cached_tokens"] = r["warm_cached_tokens"]
-            row[f"{mode}_warm_speedup"] = round(r["cold_s"] / r["warm_s"], 2)
-            if base and mode != "baseline":
-                row[f"{mode}_continuation_matches_baseline"] = r["continuation"] == base[n]["continuation"]
-        if "kvplugin" in by_mode and "vllm-offloading" in by_mode:
-            row["vllm_offloading_warm_over_kvplugin_warm"] = round(
-                by_mode["vllm-offloading"][n]["warm_s"] / by_mode["kvplugin"][n]["warm_s"], 2)
-        summary.append(row)
+    summary = summarize(results, lengths,
+                        {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin")})
     gpu = torch.cuda.is_available()
     props = torch.cuda.get_device_properties(0) if gpu else None
     doc = {
@@ -198,10 +170,7 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    cols = ["prompt_tokens"] + [k for k in summary[0] if k.endswith(("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm"))]
-    print(" | ".join(cols))
-    for row in summary:
-        print(" | ".join(str(row.get(c, "")) for c in cols))
+    print_table(summary, ("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm"))
     return 0 if not errors else 1
 
 

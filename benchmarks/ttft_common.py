@@ -1,0 +1,79 @@
+"""What ``cpu_ttft.py`` and ``gpu_ttft.py`` share: a cache server for the run, one engine
+process per mode (the script itself with ``--child MODE``, printing one ``RESULT {json}``
+line), and the side-by-side summary of cold and warm TTFT per prompt length."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+
+def start_server(l1_bytes: int) -> tuple[subprocess.Popen, str]:
+    """A ``vllm-kvplugin server`` on a private Unix socket; (process, address)."""
+    sockdir = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
+    server = subprocess.Popen([sys.executable, "-m", "vllm_kvplugin.server", "--listen",
+                               f"unix://{sockdir}/s.sock", "--l1-bytes", str(l1_bytes)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert server.stdout is not None
+    banner = server.stdout.readline()
+    return server, banner.split("listening on ", 1)[1].split(" ", 1)[0]
+
+
+def run_modes(script: str, modes: Sequence[str], child_args: Callable[[str], list[str]],
+              keep_going: bool) -> tuple[list[dict], dict[str, str]]:
+    """Each mode in its own ``python script --child MODE ...`` process, in order.
+
+    A failed mode stops the run, or with ``keep_going`` is recorded (stderr tail) and skipped.
+    """
+    results, errors = [], {}
+    for mode in modes:
+        t0 = time.time()
+        out = subprocess.run([sys.executable, script, "--child", mode, *child_args(mode)],
+                             capture_output=True, text=True)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode != 0 or not line:
+            print(f"{mode}: FAILED\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
+            if not keep_going:
+                raise SystemExit(f"mode {mode} failed")
+            errors[mode] = out.stderr[-3000:]
+            continue
+        res = json.loads(line[0][len("RESULT "):])
+        res["wall_s"] = round(time.time() - t0, 1)
+        results.append(res)
+        print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr, flush=True)
+    return results, errors
+
+
+def summarize(results: Sequence[dict], lengths: Sequence[int],
+              warm_ratios: dict[str, tuple[str, str]]) -> list[dict]:
+    """Per prompt length: each mode's cold/warm seconds, warm hit and speedup, whether its
+    continuation equals the baseline's, and ``name: (a, b)`` -> warm_s of a / warm_s of b."""
+    by_mode = {r["mode"]: {row["prompt_tokens"]: row for row in r["rows"]} for r in results}
+    base = by_mode.get("baseline", {})
+    summary = []
+    for n in lengths:
+        row: dict = {"prompt_tokens": n}
+        for mode, rows in by_mode.items():
+            r = rows[n]
+            row[f"{mode}_cold_s"] = r["cold_s"]
+            row[f"{mode}_warm_s"] = r["warm_s"]
+            row[f"{mode}_warm_cached_tokens"] = r["warm_cached_tokens"]
+            row[f"{mode}_warm_speedup"] = round(r["cold_s"] / r["warm_s"], 2)
+            if base and mode != "baseline":
+                row[f"{mode}_continuation_matches_baseline"] = r["continuation"] == base[n]["continuation"]
+        for name, (a, b) in warm_ratios.items():
+            if a in by_mode and b in by_mode:
+                row[name] = round(by_mode[a][n]["warm_s"] / by_mode[b][n]["warm_s"], 2)
+        summary.append(row)
+    return summary
+
+
+def print_table(summary: Sequence[dict], suffixes: tuple[str, ...]) -> None:
+    cols = ["prompt_tokens"] + [k for k in summary[0] if k.endswith(suffixes)]
+    print(" | ".join(cols))
+    for row in summary:
+        print(" | ".join(str(row.get(c, "")) for c in cols))
