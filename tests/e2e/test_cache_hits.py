@@ -97,6 +97,36 @@ def test_skipped_load_is_caught(qwen3_model):
             shutdown(llm)
 
 
+class _LateTicket:
+    waited = False
+
+
+def test_store_finishing_after_its_step_reaches_the_next_request(qwen3_model, monkeypatch):
+    """On a GPU a store's DMA completes after the step that issued it, and an engine that
+    goes idle after that step runs no other: the store must still reach the next request.
+    Simulated on the CPU (the one thing here that cannot happen for real): the transfer
+    engine's tickets complete only when waited for. The prompt is prefilled and answered in
+    one step, so the request is done in the step that stores it. (That a hit serves the
+    right bytes is what the seeds' method tests above prove.)"""
+    from vllm_kvplugin.transfer.cpu import CpuTransfer
+
+    copy = CpuTransfer.store
+    monkeypatch.setattr(CpuTransfer, "store", lambda self, *a: copy(self, *a) or _LateTicket())
+    monkeypatch.setattr(CpuTransfer, "done", lambda self, t: t is None or t.waited)
+    monkeypatch.setattr(CpuTransfer, "wait", lambda self, t: t is not None and setattr(t, "waited", True))
+    p = prompt(3 * 32 + 5, seed=5)
+    counters.STATS.reset()
+    llm = engine(qwen3_model, 32, {"chunk_size": 32})
+    try:
+        cold = generate(llm, [p], max_tokens=1)[0]
+        warm = generate(llm, [p], max_tokens=1)[0]
+        s = vllm_kvplugin.stats()
+        assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 96)
+        assert s["stored_tokens"] == 96 and s["loaded_tokens"] == 96 and s["load_failures"] == {}
+    finally:
+        shutdown(llm)
+
+
 def test_shared_prefix_in_one_batch(qwen3_model):
     """Several requests with a common prefix, scheduled in one step: correct, stored once, all hit.
 
