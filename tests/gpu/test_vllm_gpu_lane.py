@@ -75,6 +75,21 @@ def test_seed_method_on_gpu_through_the_server(model, server):
     assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
 
 
+def test_repeat_after_the_engine_went_idle_hits(model):
+    """A prompt answered in the step that stores it, then the engine idle: its repeat must hit
+    (the stores' DMAs complete within that step; benchmarks/gpu_ttft.py found them missing)."""
+    p = prompt(4 * CHUNK + 3, seed=11)
+    counters.STATS.reset()
+    llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30}, max_model_len=4096, kv_bytes=1 << 30)
+    try:
+        cold = generate(llm, [p], max_tokens=1)[0]
+        warm = generate(llm, [p], max_tokens=1)[0]
+        assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 4 * CHUNK)
+        assert warm.token_ids == cold.token_ids and vllm_kvplugin.stats()["load_failures"] == {}
+    finally:
+        shutdown(llm)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):
