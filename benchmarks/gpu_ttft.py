@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from ttft_common import print_table, run_modes, start_server, summarize  # noqa: E402
+from ttft_common import measure, print_table, run_modes, start_server, summarize  # noqa: E402
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
 HOST_BYTES = 12 << 30  # every prompt of the run fits: no eviction in any mode
@@ -44,9 +44,8 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
              host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
     """One engine, all prompts; runs in a child process (``--child``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import random
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     import vllm_kvplugin
@@ -66,29 +65,8 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5, block_size=block, kv_transfer_config=ktc, seed=0,
               max_num_batched_tokens=max_len)
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    spx = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-    def once(p, params=sp):
-        llm.reset_prefix_cache()  # a hit can only come from the connector
-        t0 = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-        return time.perf_counter() - t0, o
-
-    once([random.Random(0).randrange(10, 4000) for _ in range(300)])  # warm-up
-    rows = []
-    for n in lengths:
-        # this length's kernels, on other tokens (Random(-n) would seed like Random(n))
-        once([random.Random(10**6 + n).randrange(10, 4000) for _ in range(n)])
-        p = [random.Random(n).randrange(10, 4000) for _ in range(n)]
-        cold, oc = once(p)
-        time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
-        warm, ow = once(p)
-        _, ox = once(p, spx)
-        rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
-                     "warm_cached_tokens": int(ow.num_cached_tokens or 0),
-                     "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
-                     "continuation": list(ox.outputs[0].token_ids)})
+    rows = measure(llm, lengths, reset_prefix_cache=True, primer=True,
+                   settle_s=0.5)  # asynchronous stores (vLLM's offloading) finish
     stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
     return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
 

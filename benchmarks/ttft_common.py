@@ -5,11 +5,54 @@ line), and the side-by-side summary of cold and warm TTFT per prompt length."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [random.Random(seed).randrange(10, 4000) for _ in range(n)]
+
+
+def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
+            settle_s: float = 0.0) -> list[dict]:
+    """In a child: per length, the cold and the warm TTFT of one prompt (a 1-token generate),
+    then 8 greedy tokens to compare with the baseline's.
+
+    ``reset_prefix_cache``: vLLM's GPU prefix cache is emptied before each request (a hit
+    can only come from the connector); ``primer``: one unmeasured request of that length on
+    other tokens first (its kernels); ``settle_s``: a pause between cold and warm.
+    """
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    spx = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def once(p, params=sp):
+        if reset_prefix_cache:
+            llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        return time.perf_counter() - t0, o
+
+    once(tokens(300, 0))  # warm-up
+    rows = []
+    for n in lengths:
+        if primer:  # other tokens (Random(-n) would seed like Random(n))
+            once(tokens(n, 10**6 + n))
+        p = tokens(n, n)
+        cold, oc = once(p)
+        time.sleep(settle_s)
+        warm, ow = once(p)
+        _, ox = once(p, spx)
+        rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
+                     "warm_cached_tokens": int(ow.num_cached_tokens or 0),
+                     "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
+                     "continuation": list(ox.outputs[0].token_ids)})
+    return rows
 
 
 def start_server(l1_bytes: int) -> tuple[subprocess.Popen, str]:
