@@ -48,7 +48,7 @@ def test_kill9_during_load_and_store_then_restart_with_l2(server_factory, short_
     t0 = time.monotonic()
     with pytest.raises(TierUnavailable):
         c.resolve(lease, keys, 0, 1, 2)
-    assert time.monotonic() - t0 < c.timeout_s + 0.5
+    assert time.monotonic() - t0 < c.timeout_s + 2.0  # bounded: no hang (slack for a loaded machine)
     with pytest.raises(TierUnavailable):  # fails fast while the server is away
         c.lookup(keys, 1, 2, 2)
 
@@ -75,7 +75,7 @@ def test_kill9_during_load_and_store_then_restart_with_l2(server_factory, short_
     t0 = time.monotonic()
     with pytest.raises(TierUnavailable):
         c.commit(oids)
-    assert time.monotonic() - t0 < c.timeout_s + 0.5
+    assert time.monotonic() - t0 < c.timeout_s + 2.0  # bounded: no hang (slack for a loaded machine)
     srv.start()
     wait_for(lambda: _try(lambda: c.stats()), timeout=10)
     assert c.lookup(extra, 1, 2, 2)[0] == 0  # never committed: not there
@@ -99,7 +99,7 @@ def test_hung_server_times_out_and_recovers(server):
         t0 = time.monotonic()
         with pytest.raises(TierUnavailable):
             c.lookup(keys)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0  # the 1 s timeout, not a hang
     finally:
         os.kill(server.pid, signal.SIGCONT)
     time.sleep(0.2)
@@ -112,7 +112,7 @@ def test_no_server_fails_fast(short_tmp):
     t0 = time.monotonic()
     with pytest.raises(TierUnavailable):
         c.lookup(keys_for(1, 2))
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 3.0  # within the 1 s timeout, not a hang
     t0 = time.monotonic()
     for _ in range(100):  # backing off: no socket work per call
         with pytest.raises(TierUnavailable):
@@ -140,7 +140,8 @@ MID_STORE = textwrap.dedent("""
 
 
 def test_client_killed_mid_store(server_factory):
-    srv = server_factory("--l1-bytes", "64MiB", "--heartbeat-s", "0.2", "--quarantine-s", "0.3")
+    # reaped after 3 silent heartbeat periods (1.5 s); margins wide enough for a loaded CI machine
+    srv = server_factory("--l1-bytes", "64MiB", "--heartbeat-s", "0.5", "--quarantine-s", "0.3")
     here = os.path.dirname(__file__)
     p = subprocess.Popen([PY, "-c", MID_STORE.format(here=here, addr=srv.address, nb=NB)],
                          stdout=subprocess.PIPE, text=True)
@@ -162,7 +163,7 @@ def test_client_killed_mid_store(server_factory):
         assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 50
         # a live client keeps its session (heartbeats) well past the reap time ...
         hits, lease = c.lookup(keys)
-        time.sleep(1.0)
+        time.sleep(2.5)
         assert len(c.resolve(lease, keys, 0, 0, 1)) == 50
         c.release(lease)
         # ... a silent one (no heartbeats) is reaped with its leases; it joins again on its next call
@@ -170,8 +171,9 @@ def test_client_killed_mid_store(server_factory):
         hits, lease = quiet.lookup(keys)
         assert hits == 50
         reaped = c.stats()["clients_reaped"]
-        time.sleep(1.0)
-        assert c.stats()["clients_reaped"] == reaped + 1
+        wait_for(lambda: c.stats()["clients_reaped"] >= reaped + 1)
+        time.sleep(0.5)
+        assert c.stats()["clients_reaped"] == reaped + 1  # the quiet one only, not the live one
         with pytest.raises(ServerError) as ei:
             quiet.resolve(lease, keys, 0, 0, 1)
         assert ei.value.code == "unknown_lease"
@@ -309,17 +311,17 @@ def test_corrupt_l2_file_detected_and_dropped(server_factory, short_tmp):
 
 
 def test_lease_expiry(server_factory):
-    srv = server_factory("--l1-bytes", "16MiB", "--lease-s", "0.4")
+    srv = server_factory("--l1-bytes", "16MiB", "--lease-s", "1.5")
     keys = keys_for(31, 8)
     with MPClient(srv.address) as c:
         assert all(store(c, oids_for(keys, 1, 1, 1), NB))
         hits, lease = c.lookup(keys)
         assert hits == 8 and c.stats()["leases"] == 1
-        time.sleep(0.25)
-        c.resolve(lease, keys, 0, 0, 1)  # use extends the lease
-        time.sleep(0.25)
+        time.sleep(1.0)
+        c.resolve(lease, keys, 0, 0, 1)  # use extends the lease: 2 s after the lookup, still valid
+        time.sleep(1.0)
         c.resolve(lease, keys, 0, 0, 1)
-        time.sleep(0.8)
+        wait_for(lambda: c.stats()["leases_expired"] == 1)  # unused: expires
         with pytest.raises(ServerError) as ei:
             c.resolve(lease, keys, 0, 0, 1)
         assert ei.value.code == "unknown_lease"
@@ -379,7 +381,7 @@ def test_l1_eviction_to_l2_and_back(server_factory, short_tmp):
     keys = keys_for(51, 150)  # ~10 MiB: more than twice L1
     with MPClient(srv.address) as c:
         assert all(store(c, oids_for(keys, 1, 1, 1), nb, batch=8))
-        wait_for(lambda: c.stats()["l2_write_queue"] == 0)
+        wait_for(lambda: _l2_settled(c, 150))  # an empty queue alone can leave one write in flight
         st = c.stats()
         assert st["l1_evictions"] > 0 and st["l2_objects"] == 150
         assert load_and_check(c, keys[:40], 1, 1, 1, nb)[0] == 40
