@@ -6,14 +6,18 @@ and worker in one process never reports a counter twice:
 * scheduler: ``lookup_requests``, ``lookup_tokens``, ``hit_tokens``
   (of which ``server_hit_tokens`` come from the cache server),
   ``planned_load_tokens``, ``planned_load_bytes``, ``evicted_bytes``,
-  ``store_skipped_chunks``, ``server_lookup_errors``, and for the cache server
+  ``store_skipped_chunks``, ``server_lookup_errors``, ``fetch_timeouts`` (hits
+  given up because the workers' verdict never came), ``dropped_objects`` (local
+  tier objects that failed verification, dropped at once), and for the cache server
   the hit accounting against the transfer accounting: ``server_planned_bytes``
   (objects the plans read) vs ``server_served_bytes`` (what the server says
   the workers resolved), with ``server_bytes_mismatches`` counting leases
   where they differ;
 * worker: ``loaded_tokens``, ``loaded_bytes``, ``stored_tokens``,
   ``stored_bytes``, ``load_seconds``, ``store_seconds``,
-  ``server_store_errors`` and ``load_failures`` (a dict: reason -> count).
+  ``server_store_errors``, ``stores_cancelled`` (objects not stored because a load
+  of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
+  verification failed before its claim counts here too).
 
 Each connector hands vLLM the *delta* of its own set every step
 (:meth:`Counters.take_delta`), which vLLM aggregates over ranks and feeds to
@@ -29,12 +33,13 @@ from typing import Any
 
 SCHEDULER_FIELDS = (
     "lookup_requests", "lookup_tokens", "hit_tokens", "server_hit_tokens", "planned_load_tokens",
-    "planned_load_bytes", "evicted_bytes", "store_skipped_chunks", "server_lookup_errors",
+    "planned_load_bytes", "evicted_bytes", "store_skipped_chunks", "server_lookup_errors", "fetch_timeouts",
+    "dropped_objects",
     "server_planned_bytes", "server_served_bytes", "server_bytes_mismatches",
 )
 WORKER_FIELDS = (
     "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",
-    "load_seconds", "store_seconds", "server_store_errors",
+    "load_seconds", "store_seconds", "server_store_errors", "stores_cancelled",
 )
 FAILURES = "load_failures"
 

@@ -1,61 +1,58 @@
 """The load planner: one pure function decides what a cache hit loads.
 
-Scheduler (how many tokens to claim), worker (what to copy) and metrics
-(expected bytes) all use its :class:`LoadPlan`; a transfer that moves anything
-other than the planned bytes fails the load.
+Scheduler (how many tokens to claim, which objects to fetch and verify), worker
+(what to copy where) and metrics (expected bytes) all use its :class:`LoadPlan`;
+a transfer that would move anything other than the planned bytes is refused.
 
 Rules (DESIGN.md, correctness rules 5 and 6):
 
-* only whole chunks, and only a prefix of them (chunk ``i`` needs chunks ``< i``);
-* never the whole prompt: vLLM must compute at least one token, so the last
-  prompt token is reserved *before* aligning to chunks.  For a recurrent group
-  this also puts the restored state checkpoint strictly before the last prompt
-  token (a prompt of exactly ``k`` chunks loads ``k - 1``);
+* a hit ends on a chunk boundary and never covers the whole prompt: vLLM must
+  compute at least one token, so the last prompt token is reserved *before*
+  aligning to chunks (a prompt of exactly ``k`` chunks hits at most ``k - 1``).
+  For a recurrent group this puts the restored state checkpoint strictly before
+  the last prompt token, so no token is ever applied to the state twice;
+* what each group restores for a hit is its need (:mod:`vllm_kvplugin.chunk.rules`):
+  every chunk from vLLM's own hit on (attention, MLA), the chunks inside the
+  window before the hit (sliding window), the one checkpoint at the hit (recurrent);
+  the hit is the largest that every group can restore from what is present;
 * tokens vLLM already has (``num_computed_tokens``, its own prefix cache) are
   not loaded again; a chunk that straddles them is loaded from there on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vllm_kvplugin.chunk.rules import best_hit
 from vllm_kvplugin.layout.descriptor import GroupKind
+from vllm_kvplugin.layout.groups import GroupSpec
 
 
 @dataclass(frozen=True)
-class GroupCost:
-    """What loading costs for one KV cache group."""
+class ObjectLoad:
+    """One object a plan loads: group ``group``'s object of chunk ``position``, whose tokens
+    ``[lo, hi)`` are written (recurrent: ``lo == hi ==`` the hit; the state is written)."""
 
-    kind: GroupKind
-    bytes_per_token: int = 0  # attention / MLA: every loaded token
-    state_bytes: int = 0  # recurrent: one state checkpoint at the end of the load
+    position: int
+    group: int
+    lo: int
+    hi: int
 
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Tokens ``[start, end)`` come from the tier, as chunks ``[first_chunk, end_chunk)``."""
+    """Tokens ``[start, end)`` come from a tier; ``objects`` say from which objects."""
 
     start: int
     end: int
     chunk_size: int
+    objects: tuple[ObjectLoad, ...]  # ordered by (position, group)
     expected_bytes: tuple[int, ...]  # per group, for this rank
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-    @property
-    def first_chunk(self) -> int:
-        return self.start // self.chunk_size
-
-    @property
-    def end_chunk(self) -> int:
-        return self.end // self.chunk_size
-
-    def skip_tokens(self, chunk_index: int) -> int:
-        """Tokens at the start of ``chunk_index`` that must not be written (already computed)."""
-        return max(0, self.start - chunk_index * self.chunk_size)
 
 
 def max_loadable_tokens(prompt_len: int, chunk_size: int) -> int:
@@ -65,23 +62,36 @@ def max_loadable_tokens(prompt_len: int, chunk_size: int) -> int:
     return ((prompt_len - 1) // chunk_size) * chunk_size
 
 
-def plan_load(prompt_len: int, num_computed_tokens: int, hit_chunks: int, chunk_size: int,
-              groups: Sequence[GroupCost]) -> LoadPlan | None:
+def plan_load(prompt_len: int, num_computed_tokens: int, chunk_size: int, groups: Sequence[GroupSpec],
+              present: Callable[[int, int], bool], limit: int | None = None) -> LoadPlan | None:
     """The load for a request, or None when the tier adds nothing.
 
-    ``hit_chunks``: how many leading full chunks (0, 1, ...) the tier holds for
-    every group.  ``num_computed_tokens``: tokens vLLM already has.
+    ``present(position, group)``: the tier holds group ``group``'s object of chunk
+    ``position``.  ``limit``: a hit may not end past this chunk (default: the prompt's).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    end = min(hit_chunks * chunk_size, max_loadable_tokens(prompt_len, chunk_size))
     start = max(0, num_computed_tokens)
-    if end <= start:
+    max_hit = max_loadable_tokens(prompt_len, chunk_size) // chunk_size
+    if limit is not None:
+        max_hit = min(max_hit, limit)
+    first = start // chunk_size
+    hit = best_hit(max_hit, first, [g.need(chunk_size) for g in groups], present)
+    if hit == 0:
         return None
-    expected = []
-    for g in groups:
-        if g.kind is GroupKind.RECURRENT:
-            expected.append(g.state_bytes)
-        else:
-            expected.append((end - start) * g.bytes_per_token)
-    return LoadPlan(start=start, end=end, chunk_size=chunk_size, expected_bytes=tuple(expected))
+    end = hit * chunk_size
+    objects = []
+    expected = [0] * len(groups)
+    for g, spec in enumerate(groups):
+        if spec.kind is GroupKind.RECURRENT:
+            objects.append(ObjectLoad(hit - 1, g, end, end))
+            expected[g] = spec.state_bytes
+            continue
+        lo_all = start if spec.kind is not GroupKind.WINDOW else max(start, end - spec.window_tail)
+        for pos in spec.need(chunk_size).positions(hit, first):
+            lo, hi = max(lo_all, pos * chunk_size), (pos + 1) * chunk_size
+            if lo < hi:
+                objects.append(ObjectLoad(pos, g, lo, hi))
+                expected[g] += (hi - lo) * spec.bytes_per_token
+    objects.sort(key=lambda o: (o.position, o.group))
+    return LoadPlan(start, end, chunk_size, tuple(objects), tuple(expected))

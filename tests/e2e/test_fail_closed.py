@@ -1,11 +1,16 @@
-"""Fail closed: every doubtful load is recomputed, counted by reason, and the engine keeps serving.
+"""Fail closed: every doubtful load is recomputed, counted by reason, and poisons nothing.
 
-Each case stores a prompt, damages what the next load will read, and checks
-that the warm request's output is still identical to a recompute, that the
-failure was counted under its reason, and that the engine serves (and hits)
-afterwards.  Faults are caused for real where they can be (bytes flipped in
-the pool, headers swapped, chunks gone); a mock only where the local tier
-cannot produce the fault itself (a short read, a failing copy, a wrong plan).
+Each case stores a prompt, damages what the next load will read, and generates
+the prompt extended by two chunks: its output must still be identical to a
+recompute and the failure counted under its reason.  Then the fault is gone and
+the extended and the original prompt are generated twice more, every KV block
+overwritten with noise first: identical outputs prove that nothing computed over
+the failed load was stored (the chunks completed in the failing step are
+computed over blocks the load may not have written).  Faults are caused for real
+where they can be (bytes flipped in the pool, headers swapped, chunks gone); a
+mock only where the local tier cannot produce the fault itself (a short read, a
+failing copy, a wrong plan).  The first four are found while verifying, before
+the hit is claimed; the last two after it (the copy itself fails).
 """
 
 from __future__ import annotations
@@ -86,9 +91,17 @@ CASES = {
 }
 
 
+CLAIMED = ("error", "byte_mismatch")  # found after the hit was claimed
+
+
 @pytest.fixture(scope="module")
 def prompts():
-    return {name: prompt(LEN, seed=100 + i) for i, name in enumerate(CASES)}
+    """Per case: the prompt and its extension by two chunks and a bit."""
+    out = {}
+    for i, name in enumerate(CASES):
+        p = prompt(LEN, seed=100 + i)
+        out[name] = (p, p + prompt(2 * CHUNK + 5, seed=200 + i))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +110,10 @@ def baseline(qwen3_model, prompts):
 
     names = list(prompts)
     after = prompt(LEN, seed=7)
-    outs = _baseline(qwen3_model, 32, [[prompts[n]] for n in names] + [[after]], budget=CHUNK)
-    return dict(zip(names, outs)), after, outs[-1]
+    outs = _baseline(qwen3_model, 32, [[prompts[n][0]] for n in names] + [[prompts[n][1]] for n in names]
+                     + [[after]], budget=CHUNK)
+    n = len(names)
+    return {name: (outs[i], outs[n + i]) for i, name in enumerate(names)}, after, outs[-1]
 
 
 def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monkeypatch):
@@ -108,18 +123,31 @@ def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monke
         llm = engine(qwen3_model, 32, {"chunk_size": CHUNK}, budget=CHUNK)
         try:
             for reason, inject in CASES.items():
-                p = prompts[reason]
-                assert generate(llm, [p])[0].token_ids == want[reason], reason
+                (p, p2), (want_p, want_p2) = prompts[reason], want[reason]
+                assert generate(llm, [p])[0].token_ids == want_p, reason
                 slots = _slots_of(probe.worker, p)
                 assert len(slots) == 8
-                before = vllm_kvplugin.stats()["load_failures"].get(reason, 0)
+                before = vllm_kvplugin.stats()
                 with monkeypatch.context() as m:
                     inject(probe, m, slots)
                     probe.poison_all_blocks()
-                    warm = generate(llm, [p])[0]
-                    failures = vllm_kvplugin.stats()["load_failures"]
-                assert failures.get(reason, 0) == before + 1, (reason, failures)
-                assert warm.token_ids == want[reason], f"{reason}: served doubtful KV"
+                    warm = generate(llm, [p2])[0]
+                    after = vllm_kvplugin.stats()
+                failures = after["load_failures"]
+                assert failures.get(reason, 0) == before["load_failures"].get(reason, 0) + 1, (reason, failures)
+                assert warm.token_ids == want_p2, f"{reason}: served doubtful KV"
+                if reason in CLAIMED:  # the step's stores were computed over the failed load
+                    assert after["stores_cancelled"] > before["stores_cancelled"], reason
+                else:  # found before the claim: only the verified prefix counts as a hit
+                    assert after["hit_tokens"] - before["hit_tokens"] == warm.num_cached_tokens < 8 * CHUNK
+                for i in range(2):  # nothing wrong was stored: poisoned KV, hits, right outputs
+                    for q, want_q in ((p2, want_p2), (p, want_p)):
+                        probe.poison_all_blocks(seed=i + 1)
+                        r = generate(llm, [q])[0]
+                        assert r.token_ids == want_q, f"{reason}: a chunk computed over the failed load was stored"
+                        if i:
+                            assert r.num_cached_tokens == (len(q) - 1) // CHUNK * CHUNK, (reason, len(q))
+                assert vllm_kvplugin.stats()["load_failures"] == failures, f"{reason}: failed again"
             # the engine keeps serving, and hits again
             assert generate(llm, [after_prompt])[0].token_ids == after_want
             probe.poison_all_blocks()

@@ -158,8 +158,8 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                 else:
                     orig = mp.ServerIndex.lookup
 
-                    def lookup_then_die(self, keys):
-                        found = orig(self, keys)
+                    def lookup_then_die(self, keys, first):
+                        found = orig(self, keys, first)
                         if found.hits:
                             server.kill9()
                         return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import select
 import signal
@@ -84,11 +85,11 @@ class ServerProc:
 
 # ---------------------------------------------------------------------------- objects
 def keys_for(prefix_seed: int, n: int) -> list[bytes]:
-    """Rolling 16-byte keys (like chunk/keys.py: each names its whole prefix)."""
-    prev = prefix_seed.to_bytes(8, "little") * 2
+    """Rolling 32-byte keys (like chunk/keys.py: each names its whole prefix)."""
+    prev = prefix_seed.to_bytes(8, "little") * 4
     out = []
     for i in range(n):
-        prev = xxhash.xxh3_128_digest(prev + i.to_bytes(4, "little"))
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
         out.append(prev)
     return out
 

@@ -216,11 +216,11 @@ def test_garbage_and_bad_messages_get_errors(server):
         (b"\x00" * (P.MAX_MESSAGE_BYTES + 1), "too_large"),
         (P.encode_request("stats", 2, P.Empty(), version=99), "version"),
         (P.encode_request("stats", 2, P.Empty(), version=0), "version"),
-        (msgspec.msgpack.encode({"v": 1, "id": 3, "op": "drop_tables"}), "unknown_op"),
+        (msgspec.msgpack.encode({"v": P.PROTOCOL_VERSION, "id": 3, "op": "drop_tables"}), "unknown_op"),
         (P.encode_request("lookup", 4, P.Empty()), "invalid"),
-        (msgspec.msgpack.encode({"v": 1, "id": 5, "op": "lookup",
+        (msgspec.msgpack.encode({"v": P.PROTOCOL_VERSION, "id": 5, "op": "lookup",
                                  "body": msgspec.Raw(msgspec.msgpack.encode(
-                                     {"keys": b"x" * 16, "groups": 0, "ranks": 1, "world": 1}))}),
+                                     {"keys": b"x" * 32, "needs": [], "ranks": 1, "world": 1}))}),
          "invalid"),
         (P.encode_request("stats", 6, P.Empty()), "hello_required"),
         ([b"a", b"b"], "malformed"),
@@ -230,16 +230,21 @@ def test_garbage_and_bad_messages_get_errors(server):
         assert not rep.ok and rep.code == code, (code, rep)
     assert _raw_request(d, hello).ok
     for payload, code in [
-        (msgspec.msgpack.encode({"v": 1, "id": 7, "op": "lookup",
+        (msgspec.msgpack.encode({"v": P.PROTOCOL_VERSION, "id": 7, "op": "lookup",
                                  "body": msgspec.Raw(msgspec.msgpack.encode(
-                                     {"keys": b"x" * 17, "groups": 1, "ranks": 1, "world": 1}))}),
+                                     {"keys": b"x" * 33, "needs": [[0, 0]], "ranks": 1, "world": 1}))}),
          "invalid"),
-        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 16, 1, 2, 1)), "invalid"),
-        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 16, 65535, 65535, 65535)), "invalid"),
-        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 16 * 100_000, 100, 100, 100)), "invalid"),
-        (P.encode_request("reserve", 9, P.ReserveReq(b"x" * 22, [1, 2])), "invalid"),
-        (P.encode_request("resolve", 10, P.ResolveReq(12345, b"k" * 16, 0, 0, 1)), "unknown_lease"),
-        (P.encode_request("commit", 11, P.IdsReq(b"x" * 21)), "invalid"),
+        (msgspec.msgpack.encode({"v": P.PROTOCOL_VERSION, "id": 7, "op": "lookup",
+                                 "body": msgspec.Raw(msgspec.msgpack.encode(
+                                     {"keys": b"x" * 32, "needs": [[1, 0]], "ranks": 1, "world": 1}))}),
+         "invalid"),  # a window of no chunks
+        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 32, [(0, 0)], 2, 1)), "invalid"),
+        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 32, [(0, 0)] * 65535, 65535, 65535)), "invalid"),
+        (P.encode_request("lookup", 8, P.LookupReq(b"k" * 32 * 100_000, [(0, 0)] * 100, 100, 100)), "invalid"),
+        (P.encode_request("reserve", 9, P.ReserveReq(b"x" * 38, [1, 2])), "invalid"),
+        (P.encode_request("resolve", 10, P.ResolveReq(12345, b"k" * 32, 0, 0, 1)), "unknown_lease"),
+        (P.encode_request("commit", 11, P.IdsReq(b"x" * 37)), "invalid"),
+        (P.encode_request("drop", 12, P.IdsReq(b"x" * 37)), "invalid"),
     ]:
         rep = _raw_request(d, payload)
         assert not rep.ok and rep.code == code, (code, rep)

@@ -25,7 +25,7 @@ def test_server_reads_what_the_plugin_writes():
     """The header the worker writes names the object the server stores it under."""
     from vllm_kvplugin.chunk import format as F
 
-    key, fp = bytes(range(16)), bytes(range(16, 32))
+    key, fp = bytes(range(32)), bytes(range(32, 64))
     payload = bytes(random.Random(1).randbytes(4 * 2 * 8 * 2 * 16 * 2))
     expect = F.ChunkExpect(fp, key, 1, "bfloat16", (4, 2, 8, 2, 16), 256, 264, 4, 3, 2)
     ref = F.ChunkHeader.for_payload(expect, payload).pack()
@@ -44,12 +44,12 @@ def test_server_reads_what_the_plugin_writes():
 
 
 def test_object_id_roundtrip_and_checks():
-    key = bytes(range(16))
+    key = bytes(range(32))
     oid = object_id(key, 7, 3, 8)
-    assert len(oid) == OBJECT_ID_SIZE == 22
+    assert len(oid) == OBJECT_ID_SIZE == 38
     assert split_object_id(oid) == (key, 7, 3, 8)
     assert object_id(key, 0, 0, 1) != object_id(key, 0, 0, 2)
-    for bad in [(key[:15], 0, 0, 1), (key, 0, 1, 1), (key, -1, 0, 1), (key, 0, 0, 0), (key, 70000, 0, 1)]:
+    for bad in [(key[:31], 0, 0, 1), (key, 0, 1, 1), (key, -1, 0, 1), (key, 0, 0, 0), (key, 70000, 0, 1)]:
         with pytest.raises(ValueError):
             object_id(*bad)
 

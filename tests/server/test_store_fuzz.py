@@ -3,7 +3,8 @@
 Invariants: live blocks never overlap and the allocator's count equals them plus
 the quarantine; every committed object still holds exactly the bytes written;
 an object's pin count equals the pins its leases hold; a lookup's hit is
-exactly the leading run of complete positions (recomputed independently).
+exactly the largest one every group's need allows (recomputed independently, by
+brute force), and its lease pins exactly the objects that hit needs.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ import time
 import pytest
 from srvutil import keys_for, make_object
 
+from vllm_kvplugin.chunk.rules import GroupNeed, Need
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.config import config_from_args
-from vllm_kvplugin.server.protocol import object_id
-from vllm_kvplugin.server.store import READY, RESERVED, LookupRep, RequestError, Store
+from vllm_kvplugin.server.leases import RequestError
+from vllm_kvplugin.server.objects import READY, RESERVED
+from vllm_kvplugin.server.protocol import LookupRep, object_id
+from vllm_kvplugin.server.store import Store
+
+PREFIX = [GroupNeed(Need.PREFIX)]
+#: a hybrid model: attention, a sliding window of two chunks, a recurrent state
+HYBRID = [GroupNeed(Need.PREFIX), GroupNeed(Need.WINDOW, 2), GroupNeed(Need.POINT)]
 
 pytestmark = pytest.mark.server
 
@@ -28,10 +36,10 @@ def _live_blocks(st: Store) -> dict[int, int]:
     for e in st.objs.values():
         seen[id(e)] = e
     for lease in st.leases.values():
-        for e in lease.pinned:
+        for e in lease.pinned.values():
             seen[id(e)] = e
     for p in st.pending:
-        for e in p.flat:
+        for e in p.pinned.values():
             seen[id(e)] = e
     blocks = {}
     for e in seen.values():
@@ -50,7 +58,7 @@ def _check(st: Store, written: dict[bytes, bytes]) -> None:
     assert st.alloc.used == sum(size for _, size in spans)
     pins: dict[int, int] = {}
     for lease in st.leases.values():
-        for e in lease.pinned:
+        for e in lease.pinned.values():
             pins[id(e)] = pins.get(id(e), 0) + 1
     for e in st.objs.values():
         assert e.pins == pins.get(id(e), 0), "pin count differs from the leases' pins"
@@ -60,16 +68,28 @@ def _check(st: Store, written: dict[bytes, bytes]) -> None:
             assert (e.oid in st.lru) == (e.pins == 0)
 
 
-def _expected_hits(st: Store, keys: list[bytes], groups: int, ranks: int, world: int) -> int:
-    n = 0
-    for k in keys:
-        for g in range(groups):
-            for r in range(ranks):
-                e = st.objs.get(object_id(k, g, r, world))
-                if e is None or e.state != READY or e.doomed:
-                    return n
-        n += 1
-    return n
+def _needed(need: GroupNeed, hit: int, first: int) -> list[int]:
+    """Positions a group needs for a hit (written out again, not taken from chunk.rules)."""
+    if need.need is Need.PREFIX:
+        return list(range(first, hit))
+    if need.need is Need.WINDOW:
+        return [p for p in range(hit - need.window, hit) if p >= first]
+    return [hit - 1]
+
+
+def _expected_hit(st: Store, keys: list[bytes], needs, ranks: int, world: int, first: int) -> int:
+    """Brute force: the largest hit whose every needed object of every rank is READY."""
+    def ok(pos: int, g: int) -> bool:
+        for r in range(ranks):
+            e = st.objs.get(object_id(keys[pos], g, r, world))
+            if e is None or e.state != READY or e.doomed:
+                return False
+        return True
+
+    for hit in range(len(keys), first, -1):
+        if all(ok(p, g) for g, need in enumerate(needs) for p in _needed(need, hit, first)):
+            return hit
+    return 0
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -84,7 +104,7 @@ def test_store_random_operations(tmp_path, seed):
     st.now = now
     sessions = [st.hello(f"c{i}".encode(), f"c{i}", i, now) for i in range(3)]
     prompts = [keys_for(seed * 100 + i, rng.randint(1, 40)) for i in range(8)]
-    geometry = (1, 2, 2)  # groups, ranks, world
+    geometry = (3, 2, 2)  # groups, ranks, world
     written: dict[bytes, bytes] = {}
     leases: list[int] = []
     for step in range(1500):
@@ -97,7 +117,7 @@ def test_store_random_operations(tmp_path, seed):
         if op < 0.35:  # store a prompt's next chunks (some objects left out or aborted)
             keys = rng.choice(prompts)
             oids = [object_id(k, gg, rr, w) for k in keys[:rng.randint(1, len(keys))]
-                    for gg in range(g) for rr in range(r)]
+                    for gg in range(g) for rr in range(r) if gg == 0 or rng.random() < 0.7]
             nb = rng.choice([1000, 3000, 20000])
             sizes = [HEADER_SIZE + nb] * len(oids)
             offs = st.reserve(s, b"".join(oids), sizes, now)
@@ -115,16 +135,23 @@ def test_store_random_operations(tmp_path, seed):
         elif op < 0.6:  # lookup, checked against an independent count
             keys = rng.choice(prompts)
             keys = keys[:rng.randint(0, len(keys))]
-            want = _expected_hits(st, keys, g, r, w)
-            rep = st.lookup(s, b"".join(keys), g, r, w, 0.0, s.ident, 0, [], now)
+            needs = rng.choice([PREFIX, HYBRID, HYBRID[1:]])
+            first = rng.randint(0, max(0, len(keys) - 1))
+            want = _expected_hit(st, keys, needs, r, w, first)
+            rep = st.lookup(s, b"".join(keys), needs, r, w, first, 0.0, s.ident, 0, [], now)
             assert isinstance(rep, LookupRep) and rep.hits == want
             if rep.lease:
                 leases.append(rep.lease)
-                offsets, sizes = st.resolve(rep.lease, b"".join(keys[:rep.hits]), 0, 1, w, now)
-                for k, off, n in zip(keys, offsets, sizes):
-                    assert bytes(pool[off:off + n]) == written[object_id(k, 0, 1, w)]
-                with pytest.raises(RequestError):
-                    st.resolve(rep.lease, b"".join(keys[:rep.hits + 1]) + os.urandom(16), 0, 0, w, now)
+                lease = st.leases[rep.lease]
+                assert set(lease.pinned) == {object_id(keys[p], gg, rr, w) for gg, need in enumerate(needs)
+                                             for p in _needed(need, rep.hits, first) for rr in range(r)}
+                gg = len(needs) - 1
+                pos = _needed(needs[gg], rep.hits, first)
+                offsets, sizes = st.resolve(rep.lease, b"".join(keys[p] for p in pos), gg, 1, w, now)
+                for p, off, n in zip(pos, offsets, sizes):
+                    assert bytes(pool[off:off + n]) == written[object_id(keys[p], gg, 1, w)]
+                with pytest.raises(RequestError):  # an object the lease does not pin
+                    st.resolve(rep.lease, b"".join(keys[p] for p in pos) + os.urandom(32), gg, 0, w, now)
         elif op < 0.75 and leases:
             st.release(leases.pop(rng.randrange(len(leases))))
         elif op < 0.8:  # a client goes silent and is reaped; a new one appears
@@ -175,7 +202,7 @@ def test_store_with_l2_random_operations(tmp_path):
                     ok.append(o)
             st.commit(s, b"".join(ok))
         else:
-            rep = st.lookup(s, b"".join(keys), 1, 1, 1, 5.0, b"c", 0, [], 0.0)
+            rep = st.lookup(s, b"".join(keys), PREFIX, 1, 1, 0, 5.0, b"c", 0, [], 0.0)
             deadline = time.monotonic() + 10
             while not isinstance(rep, LookupRep):
                 assert time.monotonic() < deadline

@@ -13,12 +13,14 @@ from vllm_kvplugin.chunk.format import (
     ChunkExpect,
     ChunkHeader,
     check_chunk,
+    layers_digest,
     payload_checksum,
+    state_spec,
 )
 
-EXPECT = ChunkExpect(fingerprint=b"F" * 16, key=b"K" * 16, kind=1, dtype="bfloat16",
+EXPECT = ChunkExpect(fingerprint=b"F" * 32, key=b"K" * 32, kind=1, dtype="bfloat16",
                      shape=(4, 2, 32, 2, 64), token_start=64, token_end=96, tp_size=2, tp_rank=1,
-                     group_index=0)
+                     group_index=0, layers=layers_digest(["model.layers.0.attn", "model.layers.1.attn"]))
 
 
 def _payload(seed=0) -> bytes:
@@ -38,8 +40,11 @@ def test_round_trip():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("fingerprint", b"G" * 16), ("key", b"J" * 16), ("kind", 2), ("dtype", "float16"),
+    ("fingerprint", b"G" * 32), ("key", b"J" * 32), ("kind", 2), ("dtype", "float16"),
     ("shape", (4, 2, 32, 2, 128)), ("token_start", 0), ("tp_rank", 0), ("tp_size", 4), ("group_index", 1),
+    # two groups of one shape (e.g. three one-layer GatedDeltaNet groups) differ in their layers
+    ("layers", layers_digest(["model.layers.1.attn", "model.layers.0.attn"])),
+    ("spec", state_spec([(torch.float32, (2, 128, 128))])),
 ])
 def test_every_field_mismatch_is_a_header_mismatch(field, value):
     payload = _payload()
@@ -48,6 +53,13 @@ def test_every_field_mismatch_is_a_header_mismatch(field, value):
     with pytest.raises(ChunkError) as e:
         check_chunk(raw, payload, other)
     assert e.value.reason in ("header_mismatch", "short_read")
+
+
+def test_state_spec_names_dtypes_and_shapes():
+    assert state_spec([(torch.bfloat16, (3, 512)), (torch.float32, (2, 128, 128))]) == \
+        "bfloat16[3,512];float32[2,128,128]"
+    long = state_spec([(torch.float32, (i, 4096, 4096)) for i in range(1, 9)])
+    assert long.startswith("sha256:") and len(long) == 64
 
 
 def test_flipped_payload_byte_is_a_checksum_error():

@@ -1,11 +1,15 @@
-"""Chunk keys: rolling over the prefix, stable, sensitive to everything that changes KV."""
+"""Chunk keys: rolling over the prefix, stable, collision-free encoding, sensitive to
+everything that changes KV."""
 
 from __future__ import annotations
 
-import numpy as np
-import xxhash
+import hashlib
+import struct
 
-from vllm_kvplugin.chunk.keys import KeyExtras, MMItem, chunk_keys, model_fingerprint
+import numpy as np
+import pytest
+
+from vllm_kvplugin.chunk.keys import KEY_SIZE, KeyExtras, MMItem, chunk_keys, model_fingerprint
 
 FP = model_fingerprint({"model": "tiny", "dtype": "bfloat16"})
 TOKENS = list(range(1000, 1000 + 700))
@@ -39,7 +43,7 @@ def test_incremental_equals_full():
 def test_extras_and_fingerprint_change_keys():
     base = chunk_keys(FP, TOKENS, 256)
     assert chunk_keys(model_fingerprint({"model": "other"}), TOKENS, 256)[0] != base[0]
-    assert chunk_keys(FP, TOKENS, 256, KeyExtras(lora="adapter-a"))[0] != base[0]
+    assert chunk_keys(FP, TOKENS, 256, KeyExtras(lora_name="adapter-a"))[0] != base[0]
     assert chunk_keys(FP, TOKENS, 256, KeyExtras(cache_salt="tenant-1"))[0] != base[0]
     mm = KeyExtras(mm=(MMItem("img-hash", offset=300, length=40),))
     with_mm = chunk_keys(FP, TOKENS, 256, mm)
@@ -47,17 +51,50 @@ def test_extras_and_fingerprint_change_keys():
 
 
 def test_stable_value():
-    """Keys are a documented function of their inputs (stable across versions and processes)."""
+    """Keys are a documented function of their inputs (stable across versions and processes):
+    SHA-256 over a versioned, length-prefixed encoding (chunk/keys.py)."""
     tokens = np.arange(16, dtype=np.int32)
-    root = xxhash.xxh3_128()
-    root.update(b"kvplugin-root\x00")
-    root.update(FP)
-    root.update(b"\x00lora\x00")
-    root.update(b"\x00salt\x00")
-    h = xxhash.xxh3_128()
-    h.update(root.digest())
-    h.update(tokens.astype("<i4").tobytes())
-    assert chunk_keys(FP, tokens.tolist(), 16) == [h.digest()]
+    absent = b"\x00"
+    root = hashlib.sha256(b"kvplugin/chunk-key/v2" + struct.pack("<I", 16) + b"\x01"
+                          + struct.pack("<Q", len(FP)) + FP + b"\x01" + struct.pack("<Q", 0)
+                          + absent * 3).digest()
+    want = hashlib.sha256(root + struct.pack("<I", 0) + tokens.astype("<i4").tobytes()).digest()
+    assert chunk_keys(FP, tokens.tolist(), 16) == [want] and len(want) == KEY_SIZE
+
+
+@pytest.mark.parametrize("a,b", [
+    # fields joined without lengths used to run into each other
+    (KeyExtras(lora_name="x\x00salt\x00y", cache_salt=""), KeyExtras(lora_name="x", cache_salt="y\x00salt\x00")),
+    (KeyExtras(lora_name="ab", cache_salt="c"), KeyExtras(lora_name="a", cache_salt="bc")),
+    # None was the same as ""
+    (KeyExtras(cache_salt=None), KeyExtras(cache_salt="")),
+    (KeyExtras(lora_name=None), KeyExtras(lora_name="")),
+    # a LoRA is its name and its weights: same name, another path is another adapter
+    (KeyExtras(lora_name="a", lora_path="/loras/v1"), KeyExtras(lora_name="a", lora_path="/loras/v2")),
+    # multimodal identifiers with separator bytes or digits in them
+    (KeyExtras(mm=(MMItem("img\x0010", 0, 8),)), KeyExtras(mm=(MMItem("img", 10, 8),))),
+    (KeyExtras(mm=(MMItem("a", 0, 8), MMItem("b", 0, 8))), KeyExtras(mm=(MMItem("a", 0, 8),))),
+])
+def test_distinct_inputs_never_share_a_key(a, b):
+    assert chunk_keys(FP, TOKENS, 256, a)[0] != chunk_keys(FP, TOKENS, 256, b)[0]
+
+
+def test_namespace_and_chunk_size_change_every_key():
+    base = chunk_keys(FP, TOKENS, 128)
+    other = chunk_keys(FP, TOKENS, 128, namespace=b"after-a-reset")
+    assert all(x != y for x, y in zip(base, other))
+    assert chunk_keys(FP, TOKENS[:512], 256)[0] not in chunk_keys(FP, TOKENS[:512], 128)
+
+
+def test_key_cost_for_a_million_tokens():
+    """Reported, not asserted (speed is measured in benchmarks): 4,096 chunks of 256 tokens."""
+    import time
+
+    tokens = np.random.default_rng(0).integers(0, 150_000, 1 << 20, dtype=np.int32)
+    t0 = time.perf_counter()
+    keys = chunk_keys(FP, tokens, 256)
+    print(f"keys for 1M tokens: {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    assert len(keys) == 4096 and len(set(keys)) == 4096
 
 
 def test_fingerprint_ignores_key_order():

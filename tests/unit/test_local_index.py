@@ -6,16 +6,16 @@ from vllm_kvplugin.tiers.local_cpu import LocalIndex, SlotState
 
 
 def k(i: int) -> bytes:
-    return i.to_bytes(16, "little")
+    return i.to_bytes(32, "little")
 
 
 def test_pending_is_invisible_until_committed():
     idx = LocalIndex(4, 100)
     slot, evicted = idx.allocate(k(0))
-    assert evicted == 0 and idx.prefix_hits([k(0)]) == 0
+    assert evicted == 0 and not idx.ready(k(0))
     assert idx.allocate(k(0)) is None  # stored once
     idx.commit(slot, ok=True)
-    assert idx.prefix_hits([k(0), k(1)]) == 1
+    assert idx.ready(k(0)) and not idx.ready(k(1))
 
 
 def test_failed_store_frees_slot():
@@ -53,14 +53,23 @@ def test_drop_while_pinned_frees_after_unpin():
     idx.commit(s, True)
     idx.pin([k(0)])
     idx.drop(s)
-    assert idx.prefix_hits([k(0)]) == 0 and idx.state(s) is not SlotState.FREE
+    assert not idx.ready(k(0)) and idx.state(s) is not SlotState.FREE
     idx.unpin(s)
     assert idx.state(s) is SlotState.FREE
 
 
-def test_prefix_hits_stop_at_first_gap():
-    idx = LocalIndex(4, 100)
-    for i in (0, 1, 3):
-        s, _ = idx.allocate(k(i))
-        idx.commit(s, True)
-    assert idx.prefix_hits([k(0), k(1), k(2), k(3)]) == 2
+def test_clear_forgets_pinned_and_pending_objects():
+    """reset_cache: nothing stored before is found again, also what a load still pins or a
+    store has not committed yet; their slots free once released."""
+    idx = LocalIndex(3, 100)
+    a, _ = idx.allocate(k(0))
+    idx.commit(a, True)
+    idx.pin([k(0)])
+    b, _ = idx.allocate(k(1))  # a store in flight
+    idx.clear()
+    assert not idx.contains(k(0)) and not idx.contains(k(1))
+    idx.commit(b, True)  # the store lands after the reset: never visible
+    assert not idx.ready(k(1)) and idx.state(b) is SlotState.FREE
+    assert idx.state(a) is not SlotState.FREE
+    idx.unpin(a)
+    assert idx.state(a) is SlotState.FREE

@@ -6,13 +6,13 @@ Every vLLM attribute read here is listed in ``compat/api_surface.toml``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm_kvplugin.layout.build import GroupSource, LayoutError
-from vllm_kvplugin.layout.descriptor import ContentSemantics
+from vllm_kvplugin.layout.descriptor import ContentSemantics, GroupKind
+from vllm_kvplugin.layout.groups import GroupSpec, StateTensor
 
 #: HF config fields that decide a model's KV bytes for given weights and token ids.  A
 #: curated list, not the whole config: vLLM versions (and their transformers) add, drop
@@ -24,57 +24,51 @@ _IDENTITY_FIELDS = (
     "rope_scaling", "rope_parameters", "partial_rotary_factor", "sliding_window",
     "use_sliding_window", "layer_types", "max_window_layers", "kv_lora_rank", "q_lora_rank",
     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok",
+    "quantization_config", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "layers_block_type", "mamba_num_heads",
+    "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
 )
 
 
-@dataclass(frozen=True)
-class GroupInfo:
-    """Scheduler-side facts about one KV cache group (no tensors)."""
-
-    group_index: int
-    spec_kind: str
-    block_size: int
-    layer_names: tuple[str, ...]
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-
-    @property
-    def num_kv(self) -> int:
-        return 1 if self.spec_kind == "mla" else 2
-
-    @property
-    def num_heads(self) -> int:
-        return 1 if self.spec_kind == "mla" else self.num_kv_heads
-
-    def bytes_per_token(self, num_layers: int | None = None) -> int:
-        n = len(self.layer_names) if num_layers is None else num_layers
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        return n * self.num_kv * self.num_heads * self.head_size * esize
+#: vLLM's KV cache spec classes the plugin stores, by class name (subclasses are named
+#: too: a spec this table does not name is refused, never taken for its base class)
+_SPEC_KINDS = {
+    "FullAttentionSpec": GroupKind.ATTENTION,
+    "MLAAttentionSpec": GroupKind.MLA,
+    "SlidingWindowSpec": GroupKind.WINDOW,
+    "MambaSpec": GroupKind.RECURRENT,
+}
 
 
-def spec_kind(spec: Any) -> str:
-    name = type(spec).__name__
-    if name == "FullAttentionSpec":
-        return "attention"
-    if name == "MLAAttentionSpec":
-        return "mla"
-    return name
-
-
-def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
-    """One :class:`GroupInfo` per ``kv_cache_config.kv_cache_groups`` entry."""
+def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
+    """One :class:`GroupSpec` per ``kv_cache_config.kv_cache_groups`` entry; an unknown
+    spec class raises :class:`LayoutError` naming it."""
     out = []
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        out.append(GroupInfo(
-            group_index=gi,
-            spec_kind=spec_kind(spec),
+        name = type(spec).__name__
+        kind = _SPEC_KINDS.get(name)
+        if kind is None:
+            raise LayoutError(
+                f"vllm-kvplugin: KV cache group {gi} has spec {name}, which the plugin does not "
+                f"store (supported: {', '.join(_SPEC_KINDS)})")
+        window = state = None
+        if kind is GroupKind.WINDOW:
+            window = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        if kind is GroupKind.RECURRENT:
+            state = tuple(StateTensor(dt, tuple(int(d) for d in shape))
+                          for shape, dt in zip(spec.shapes, spec.dtypes))
+        out.append(GroupSpec(
+            index=gi,
+            kind=kind,
+            spec_name=name,
             block_size=int(spec.block_size),
             layer_names=tuple(group.layer_names),
             num_kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
             head_size=int(getattr(spec, "head_size", 0) or 0),
-            dtype=getattr(spec, "dtype", torch.uint8),
+            dtype=getattr(spec, "dtype", torch.uint8) if state is None else torch.uint8,
+            window=window or 0,
+            state=state or (),
         ))
     return out
 
@@ -103,28 +97,28 @@ def describe_groups(
     """(source, layer tensors) for every KV cache group; raises :class:`LayoutError`."""
     out = []
     grouped: set[str] = set()
-    for group, info in zip(kv_cache_config.kv_cache_groups, group_infos(kv_cache_config)):
+    for group, info in zip(kv_cache_config.kv_cache_groups, group_specs(kv_cache_config)):
         spec = group.kv_cache_spec
         names = tuple(n for n in info.layer_names if n in kv_caches)
         missing = [n for n in info.layer_names if n not in kv_caches]
         if missing:
-            raise LayoutError(f"KV cache group {info.group_index}: layers {missing[:3]} were not registered")
+            raise LayoutError(f"KV cache group {info.index}: layers {missing[:3]} were not registered")
         tensors = [kv_caches[n] for n in names]
         for name, t in zip(names, tensors):
             if not isinstance(t, torch.Tensor):
                 raise LayoutError(
-                    f"KV cache group {info.group_index} ({info.spec_kind}), layer {name}: "
+                    f"KV cache group {info.index} ({info.spec_name}), layer {name}: "
                     f"vLLM {vllm_version} registered a {type(t).__name__}, not a tensor "
                     "(recurrent state pages are not supported)")
         classes = {attn_backend(vllm_config, n) for n in names}
         if len(classes) != 1:
-            raise LayoutError(f"KV cache group {info.group_index} mixes attention backends "
+            raise LayoutError(f"KV cache group {info.index} mixes attention backends "
                               f"{sorted(backend_name(c) for c in classes)}")
         backend_cls = classes.pop()
         backend = backend_name(backend_cls)
         src = GroupSource(
-            group_index=info.group_index,
-            spec_kind=info.spec_kind,
+            group_index=info.index,
+            spec_kind="mla" if info.kind is GroupKind.MLA else "attention",
             block_size=info.block_size,
             num_blocks=int(kv_cache_config.num_blocks),
             num_kv_heads=info.num_kv_heads,
@@ -150,15 +144,28 @@ def describe_groups(
 
 
 def model_identity(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
-    """What determines a model's KV bytes: the basis of the chunk fingerprint."""
-    mc = vllm_config.model_config
+    """What determines a model's KV bytes: the basis of the chunk fingerprint.
+
+    The config fields that decide KV, the dtypes, the quantization, and the weights
+    themselves (:func:`vllm_kvplugin.identity.weights_digest`: a local directory whose
+    weights changed never hits chunks of the old ones).  Raises :class:`LayoutError`
+    for KV scales computed at run time (the KV would depend on the first batch)."""
+    from vllm_kvplugin.identity import weights_digest
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if getattr(cc, "calculate_kv_scales", False):
+        raise LayoutError("vllm-kvplugin: calculate_kv_scales=True makes the KV cache depend on "
+                          "the first batch's activations; chunks could not be reused safely")
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else {}
     hf = {k: hf[k] for k in _IDENTITY_FIELDS if hf.get(k) is not None}
     return {
         "model": model_id or str(mc.model),
         "revision": None if model_id else getattr(mc, "revision", None),
+        "weights": weights_digest(str(mc.model)),
         "dtype": str(mc.dtype),
-        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "quantization": str(getattr(mc, "quantization", None)),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        "kv_cache_dtype_skip_layers": sorted(getattr(cc, "kv_cache_dtype_skip_layers", None) or []),
         "hf_config": hf,
     }
 
@@ -167,6 +174,23 @@ def model_parallel_world(vllm_config: Any) -> int:
     """Workers of one engine that each hold a slice of the KV cache (tensor x pipeline parallel)."""
     pc = vllm_config.parallel_config
     return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+def check_pipeline_split(vllm_config: Any) -> None:
+    """Pipeline parallelism only with every stage holding the same number of layers (the only
+    split tested); anything else is a start-up error naming the split."""
+    import os
+
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp <= 1:
+        return
+    layers = int(getattr(vllm_config.model_config.hf_config, "num_hidden_layers", 0) or 0)
+    partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if partition or not layers or layers % pp:
+        raise LayoutError(
+            f"vllm-kvplugin: pipeline parallel size {pp} with {layers or 'an unknown number of'} layers"
+            f"{f' split as VLLM_PP_LAYER_PARTITION={partition}' if partition else ''} is not supported: "
+            "only an even split of the layers over the stages is")
 
 
 def model_parallel_rank(vllm_config: Any) -> tuple[int, int]:
@@ -193,7 +217,7 @@ def kv_transfer_extra_config(vllm_config: Any) -> Mapping[str, Any]:
 
 
 def request_extras(request: Any):
-    """Key extras of a vLLM ``Request``: LoRA name, cache salt, multimodal items."""
+    """Key extras of a vLLM ``Request``: LoRA name and path, cache salt, multimodal items."""
     from vllm_kvplugin.chunk.keys import KeyExtras, MMItem
 
     lora = getattr(request, "lora_request", None)
@@ -205,10 +229,17 @@ def request_extras(request: Any):
             continue
         items.append(MMItem(str(ident), int(pos.offset), int(pos.length)))
     return KeyExtras(
-        lora=None if lora is None else str(getattr(lora, "lora_name", lora)),
+        lora_name=None if lora is None else str(lora.lora_name),
+        lora_path=None if lora is None else str(lora.lora_path),
         cache_salt=getattr(request, "cache_salt", None),
         mm=tuple(items),
     )
+
+
+def skips_prefix_cache(request: Any) -> bool:
+    """The request must not read any cached prefix (prompt logprobs, some pooling tasks).
+    vLLM 0.32 zeroes the connector's hit itself; 0.26 does not."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 def request_prompt_ids(request: Any) -> Sequence[int] | None:

@@ -1,16 +1,23 @@
 """The canonical chunk: a fixed header followed by the payload.
 
-Payload: ``[L, 2, T, H, D]`` (attention) or ``[L, 1, T, 1, D]`` (MLA, the same
-bytes as ``[L, T, D_latent]``), model dtype, contiguous.  It does not depend on
-the vLLM version, backend or physical layout.
+Payload: ``[L, 2, T, H, D]`` (attention and sliding window) or ``[L, 1, T, 1, D]``
+(MLA, the same bytes as ``[L, T, D_latent]``), model dtype, contiguous; a
+recurrent (Mamba/GDN) state checkpoint is ``[L, 1, 1, 1, S]`` raw bytes (uint8),
+each layer's state tensors back to back, their dtypes and shapes named in the
+header's ``spec`` (e.g. ``bfloat16[3,512];float32[2,128,128]``).  It does not
+depend on the vLLM version, backend or physical layout.
 
 Header (little-endian, :data:`HEADER_SIZE` bytes)::
 
     magic b"KVPC" | format version u16 | header size u16 | group kind u8 |
     dtype code u8 | KV u8 | pad u8 | L u32 | T u32 | H u32 | D u32 |
     token start u64 | token end u64 | TP size u16 | TP rank u16 |
-    group index u16 | pad u16 | model fingerprint 16B | chunk key 16B |
+    group index u16 | pad u16 | model fingerprint 32B | chunk key 32B |
+    layers digest 16B | spec 64B (ASCII, NUL-padded) |
     payload bytes u64 | payload xxh3-64 u64 | header xxh3-64 u64
+
+``layers digest`` names the group's layers (which layers' KV this is), so that
+two groups of equal shape can never be mistaken for each other.
 
 A reader checks the header against what it expects (:class:`ChunkExpect`)
 and the payload checksum before a byte reaches the KV cache; every mismatch
@@ -22,6 +29,7 @@ as torch names them without the ``torch.`` prefix (``dtype_name``).
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +37,9 @@ from typing import Any
 import xxhash
 
 MAGIC = b"KVPC"
-FORMAT_VERSION = 1
-_BODY = struct.Struct("<4sHHBBBBIIIIQQHHHH16s16sQQ")
+FORMAT_VERSION = 2
+_BODY = struct.Struct("<4sHHBBBBIIIIQQHHHH32s32s16s64sQQ")
+SPEC_SIZE = 64
 HEADER_SIZE = _BODY.size + 8  # + header checksum
 
 #: dtype name -> (header code, element size)
@@ -71,6 +80,8 @@ class ChunkExpect:
     tp_size: int  # ranks of the engine's model-parallel group
     tp_rank: int
     group_index: int
+    layers: bytes = b"\0" * 16  # layers_digest() of the group's layer names
+    spec: str = ""  # recurrent groups: the state tensors (state_spec())
 
     @property
     def payload_nbytes(self) -> int:
@@ -92,6 +103,8 @@ class ChunkHeader:
     group_index: int
     payload_nbytes: int
     checksum: int
+    layers: bytes = b"\0" * 16
+    spec: str = ""
 
     @classmethod
     def for_payload(cls, expect: ChunkExpect, payload: memoryview | bytes, checksum: int | None = None) -> ChunkHeader:
@@ -99,14 +112,16 @@ class ChunkHeader:
         return cls(expect.fingerprint, expect.key, expect.kind, expect.dtype, expect.shape,
                    expect.token_start, expect.token_end, expect.tp_size, expect.tp_rank,
                    expect.group_index, nbytes,
-                   payload_checksum(payload) if checksum is None else checksum)
+                   payload_checksum(payload) if checksum is None else checksum,
+                   expect.layers, expect.spec)
 
     def pack(self) -> bytes:
         L, KV, T, H, D = self.shape
         body = _BODY.pack(
             MAGIC, FORMAT_VERSION, HEADER_SIZE, self.kind, DTYPES[self.dtype][0], KV, 0,
             L, T, H, D, self.token_start, self.token_end, self.tp_size, self.tp_rank,
-            self.group_index, 0, self.fingerprint, self.key, self.payload_nbytes, self.checksum)
+            self.group_index, 0, self.fingerprint, self.key, self.layers,
+            self.spec.encode("ascii").ljust(SPEC_SIZE, b"\0"), self.payload_nbytes, self.checksum)
         return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
     @classmethod
@@ -123,10 +138,16 @@ class ChunkHeader:
             raise ChunkError("version", f"format version {f[1]} header size {f[2]}")
         if xxhash.xxh3_64_intdigest(body) != hsum:
             raise ChunkError("header_checksum", "header bytes do not match their checksum")
-        (_, _, _, kind, dcode, kv, _, L, T, H, D, start, end, tps, tpr, gi, _, fp, key, n, csum) = f
+        (_, _, _, kind, dcode, kv, _, L, T, H, D, start, end, tps, tpr, gi, _, fp, key, layers, spec,
+         n, csum) = f
         if dcode not in _BY_CODE:
             raise ChunkError("header_mismatch", f"unknown dtype code {dcode}")
-        return cls(fp, key, kind, _BY_CODE[dcode], (L, kv, T, H, D), start, end, tps, tpr, gi, n, csum)
+        try:
+            spec_text = spec.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise ChunkError("header_mismatch", "state spec is not ASCII") from None
+        return cls(fp, key, kind, _BY_CODE[dcode], (L, kv, T, H, D), start, end, tps, tpr, gi, n, csum,
+                   layers, spec_text)
 
     @property
     def object_size(self) -> int:
@@ -144,12 +165,28 @@ class ChunkHeader:
             ("token range", (self.token_start, self.token_end), (expect.token_start, expect.token_end)),
             ("tensor parallel", (self.tp_size, self.tp_rank), (expect.tp_size, expect.tp_rank)),
             ("group", self.group_index, expect.group_index),
+            ("layers", self.layers, expect.layers),
+            ("state spec", self.spec, expect.spec),
             ("payload size", self.payload_nbytes, expect.payload_nbytes),
         )
         for name, got, want in checks:
             if got != want:
                 return f"{name} is {got!r}, expected {want!r}"
         return None
+
+
+def layers_digest(layer_names) -> bytes:
+    """16 bytes naming a group's layers, in order (the header's ``layers`` field)."""
+    return hashlib.sha256("\n".join(layer_names).encode()).digest()[:16]
+
+
+def state_spec(tensors) -> str:
+    """``dtype[shape];...`` of a recurrent layer's state tensors (dtype names as in ``DTYPES``);
+    too long for the header: a digest of it."""
+    text = ";".join(f"{dtype_name(dt)}[{','.join(str(int(d)) for d in shape)}]" for dt, shape in tensors)
+    if len(text) > SPEC_SIZE:
+        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:SPEC_SIZE - 7]
+    return text
 
 
 def payload_checksum(payload) -> int:

@@ -73,11 +73,11 @@ class KVPluginConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._bound()
-        if meta is not None and meta.loads:
+        if meta is not None and (meta.fetches or meta.loads or meta.forget):
             self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete inside start_load_kv, before the forward
+        return  # loads complete inside start_load_kv, before the forward (from verified bytes)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole chunks are stored after the forward, in wait_for_save

@@ -2,6 +2,16 @@
 
 Both travel through vLLM (pickled inside ``SchedulerOutput`` / aggregated over
 ranks in ``KVConnectorOutput``), so they are plain dataclasses of builtins.
+
+A hit takes two steps (DESIGN.md rule 7, "verify before claim"):
+
+1. :class:`FetchRequest` -- while vLLM holds the request back (the connector
+   answered ``None`` to ``get_num_new_matched_tokens``), every worker reads the
+   planned objects from their tier and checks header, size and checksum; it
+   reports how many leading objects passed (:attr:`KVPluginWorkerMeta.fetched`);
+2. :class:`LoadRequest` -- only after every rank verified them does the scheduler
+   claim the tokens; the workers then copy the verified bytes into the KV cache
+   before the step's forward.  Nothing can depend on bytes that were not verified.
 """
 
 from __future__ import annotations
@@ -12,68 +22,119 @@ from vllm_kvplugin.adapters.api import KVConnectorMetadata, KVConnectorWorkerMet
 
 
 @dataclass
-class ChunkJob:
-    """Move one chunk between the paged cache and its tier locations.
+class FetchJob:
+    """One object to read and verify: group ``group``'s object of chunk ``position``.
 
-    ``block_ids[g]`` are group ``g``'s blocks covering the chunk's tokens.
-    Tokens ``[skip, take)`` of the chunk are moved; the rest is left alone
-    (already computed by vLLM, or past the planned end).
-
-    Where: ``slot`` is a local CPU tier slot (-1: none).  A load with a
-    ``lease`` reads the chunk from the cache server under that lease; a store
-    with ``to_server`` also writes it to the server.
+    From the local tier (``slot`` >= 0) or from the cache server under ``lease``.
     """
 
     key: bytes
-    chunk_index: int
-    slot: int
-    block_ids: tuple[tuple[int, ...], ...]
-    skip: int = 0
-    take: int = -1  # -1: to the end of the chunk
+    position: int
+    group: int
+    slot: int = -1
     lease: int = 0
-    to_server: bool = False
+
+
+@dataclass
+class FetchRequest:
+    req_id: str
+    jobs: list[FetchJob]  # ordered by (position, group)
+
+
+@dataclass
+class LoadJob:
+    """Write the verified object (``position``, ``group``) of the request's fetch.
+
+    ``block_ids``: the group's blocks covering the object's tokens (recurrent: the one
+    block that holds the state at the hit).  Of the object's tokens, those in
+    ``[lo, hi)`` are written (absolute token indices).
+    """
+
+    key: bytes
+    position: int
+    group: int
+    block_ids: tuple[int, ...]
+    lo: int
+    hi: int
 
 
 @dataclass
 class LoadRequest:
     req_id: str
-    jobs: list[ChunkJob]
+    jobs: list[LoadJob]
     expected_bytes: tuple[int, ...]  # per group, from the planner
+    num_tokens: int  # the tokens vLLM counts as loaded
+
+
+@dataclass
+class StoreJob:
+    """Copy group ``group``'s tokens ``[lo, hi)`` of chunk ``position`` (recurrent: the state in
+    ``block_ids``) into local tier ``slot`` (-1: none) and, with ``to_server``, to the server."""
+
+    key: bytes
+    position: int
+    group: int
+    block_ids: tuple[int, ...]
+    lo: int
+    hi: int
+    slot: int = -1
+    to_server: bool = False
 
 
 @dataclass
 class StoreRequest:
     req_id: str
-    jobs: list[ChunkJob]
+    jobs: list[StoreJob]
 
 
 @dataclass
 class KVPluginMetadata(KVConnectorMetadata):
+    fetches: list[FetchRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
     stores: list[StoreRequest] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)  # fetched requests that will not load
+    #: bumped by the scheduler each time it learns of a failed load; a worker drops the
+    #: stores of metadata older than its last failure (computed over blocks it never wrote)
+    epoch: int = 0
+
+
+Slot = tuple[int, int]  # (group, local tier slot)
 
 
 @dataclass
 class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
     """One step's results of one or (after :meth:`aggregate`) all ranks."""
 
-    stored: dict[int, int] = field(default_factory=dict)  # slot -> ranks that stored it
-    store_failed: set[int] = field(default_factory=set)
+    stored: dict[Slot, int] = field(default_factory=dict)  # slot -> ranks that stored it
+    store_failed: dict[Slot, int] = field(default_factory=dict)  # slot -> ranks that failed it
+    fetched: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (ranks, fewest good jobs)
+    bad_slots: dict[Slot, str] = field(default_factory=dict)  # failed verification -> reason
     loads_done: dict[str, int] = field(default_factory=dict)  # req id -> ranks done
-    load_failed: dict[int, str] = field(default_factory=dict)  # slot -> reason
+    #: loads that failed after their tokens were claimed: req id -> first position not loaded
+    load_failed: dict[str, int] = field(default_factory=dict)
+    #: stores dropped because a load of their step failed: req id -> first position dropped
+    stores_cancelled: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPluginWorkerMeta:
         assert isinstance(other, KVPluginWorkerMeta)
-        out = KVPluginWorkerMeta(dict(self.stored), set(self.store_failed),
-                                 dict(self.loads_done), dict(self.load_failed))
-        for k, v in other.stored.items():
-            out.stored[k] = out.stored.get(k, 0) + v
-        out.store_failed |= other.store_failed
-        for k, v in other.loads_done.items():
-            out.loads_done[k] = out.loads_done.get(k, 0) + v
-        for k, v in other.load_failed.items():
-            out.load_failed.setdefault(k, v)
+        out = KVPluginWorkerMeta(dict(self.stored), dict(self.store_failed), dict(self.fetched),
+                                 dict(self.bad_slots), dict(self.loads_done), dict(self.load_failed),
+                                 dict(self.stores_cancelled))
+        for mine, theirs in ((out.stored, other.stored), (out.store_failed, other.store_failed),
+                             (out.loads_done, other.loads_done)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        for k, (ranks, good) in other.fetched.items():
+            r0, g0 = out.fetched.get(k, (0, good))
+            out.fetched[k] = (r0 + ranks, min(g0, good))
+        for mine, theirs in ((out.load_failed, other.load_failed),
+                             (out.stores_cancelled, other.stores_cancelled)):
+            for k, v in theirs.items():
+                mine[k] = min(mine.get(k, v), v)
+        for k, v in other.bad_slots.items():
+            out.bad_slots.setdefault(k, v)
         return out
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.store_failed or self.loads_done or self.load_failed)
+        return not (self.stored or self.store_failed or self.fetched or self.bad_slots or self.loads_done
+                    or self.load_failed or self.stores_cancelled)

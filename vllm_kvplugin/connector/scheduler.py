@@ -1,16 +1,32 @@
-"""Scheduler role: chunk keys per request, lookups, load plans, store decisions.
+"""Scheduler role: chunk keys per request, lookups, verified hits, store decisions.
 
 Runs in vLLM's engine-core process, on the scheduler thread.  Call order per
-step (vLLM): ``get_num_new_matched_tokens`` (maybe several times per request,
-side-effect free for vLLM) -> ``update_state_after_alloc`` ->
-``build_connector_meta`` (once) ... later ``update_connector_output`` with the
-workers' aggregated results of an earlier step.
+step (vLLM): ``get_num_new_matched_tokens`` (per waiting request) ->
+``update_state_after_alloc`` -> ``build_connector_meta`` (once) ... later
+``update_connector_output`` with the workers' aggregated results of an earlier
+step.
+
+A hit is claimed only once every rank verified its bytes (DESIGN.md rule 7):
+
+1. the first ``get_num_new_matched_tokens`` looks the prompt up (local tier,
+   cache server), pins what the plan needs and answers ``None``: vLLM holds the
+   request back and asks again next step, while the workers fetch and verify;
+2. their verdict arrives through ``update_connector_output``;
+3. the next ``get_num_new_matched_tokens`` plans again from the verified objects
+   only and claims that many tokens; ``update_state_after_alloc`` turns the plan
+   into loads of those verified bytes.
+
+So no step ever computes over blocks a failed load did not write.  Should a load
+fail anyway after its claim (a copy error), vLLM recomputes its blocks, the
+workers drop every store of that step, and this side moves ``stored_upto`` back
+and bumps the metadata epoch so that no store computed over those blocks lands.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,21 +36,44 @@ from vllm_kvplugin.chunk.format import HEADER_SIZE
 from vllm_kvplugin.chunk.keys import chunk_keys, model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import (
-    ChunkJob,
+    FetchJob,
+    FetchRequest,
     KVPluginMetadata,
     KVPluginWorkerMeta,
+    LoadJob,
     LoadRequest,
+    StoreJob,
     StoreRequest,
 )
 from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import GroupKind
-from vllm_kvplugin.planner import GroupCost, LoadPlan, max_loadable_tokens, plan_load
+from vllm_kvplugin.layout.groups import GroupSpec
+from vllm_kvplugin.planner import LoadPlan, ObjectLoad, max_loadable_tokens, plan_load
 from vllm_kvplugin.tiers.local_cpu import LocalIndex, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerIndex, TierTrouble
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"attention": GroupKind.ATTENTION, "mla": GroupKind.MLA}
+#: the kinds this version stores (the others are refused at start-up, naming the group)
+SUPPORTED_KINDS = frozenset({GroupKind.ATTENTION, GroupKind.MLA})
+
+
+@dataclass
+class Fetch:
+    """A planned hit whose objects the workers are verifying (or have verified)."""
+
+    plan: LoadPlan
+    jobs: list[FetchJob]
+    lease: int  # the server lease pinning the objects (0: local tier)
+    pins: list[tuple[int, int]]  # (group, slot) pinned in the local tier
+    issued: float
+    ranks: int = 0  # ranks that reported
+    fewest: int | None = None  # fewest leading jobs verified by a rank that reported
+    good: int = -1  # leading jobs every rank verified (-1: not all ranks reported yet)
+    verified_at: float = 0.0
+
+    def verified(self) -> set[tuple[int, int]]:
+        return {(j.position, j.group) for j in self.jobs[:max(0, self.good)]}
 
 
 @dataclass
@@ -45,20 +84,21 @@ class RequestTracker:
     block_ids: list[list[int]] = field(default_factory=list)  # per group
     num_computed: int = 0
     stored_upto: int = 0  # chunks below this were considered for storing
-    plan: LoadPlan | None = None
+    server_hits: int = 0  # chunks the server holds (its last lookup)
+    fetch: Fetch | None = None
+    plan: LoadPlan | None = None  # granted by the last get_num_new_matched_tokens
     looked_up: bool = False
-    local_hits: int = 0  # leading chunks in the local tier at the last lookup
-    server_hits: int = 0  # leading chunks on the server at the last lookup
-    lease: int = 0  # the server lease of the last lookup, until a load takes it over
 
 
-def blocks_for_chunk(block_ids: list[list[int]], chunk_index: int, chunk_size: int,
-                     block_sizes: list[int]) -> tuple[tuple[int, ...], ...]:
-    out = []
-    for ids, bs in zip(block_ids, block_sizes):
-        per = chunk_size // bs
-        out.append(tuple(ids[chunk_index * per:(chunk_index + 1) * per]))
-    return tuple(out)
+def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,
+                  hit_end: int = 0) -> tuple[int, ...]:
+    """The group's blocks covering what object ``position`` holds (recurrent: the state block
+    at ``hit_end``, the tokens after which the state is)."""
+    if spec.kind is GroupKind.RECURRENT:
+        return (block_ids[hit_end // spec.block_size - 1],)
+    end = (position + 1) * chunk_size
+    lo = end - spec.stored_tokens(chunk_size)
+    return tuple(block_ids[lo // spec.block_size:end // spec.block_size])
 
 
 class SchedulerSide:
@@ -67,34 +107,35 @@ class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig):
         self.cfg = cfg
         self.chunk_size = cfg.chunk_size
-        self.groups = _common.group_infos(kv_cache_config)
+        self.groups = _common.group_specs(kv_cache_config)
         for g in self.groups:
-            if g.spec_kind not in _KINDS:
-                raise LayoutError(
-                    f"vllm-kvplugin: KV cache group {g.group_index} has spec {g.spec_kind}; "
-                    "supported: full attention, MLA")
+            if g.kind not in SUPPORTED_KINDS:
+                raise LayoutError(f"vllm-kvplugin: {g.describe()} is not supported yet "
+                                  f"(supported: {', '.join(sorted(k.name.lower() for k in SUPPORTED_KINDS))})")
             cfg.check_block_size(g.block_size)
-        self.block_sizes = [g.block_size for g in self.groups]
-        self.costs = [GroupCost(_KINDS[g.spec_kind], bytes_per_token=g.bytes_per_token())
-                      for g in self.groups]
+        _common.check_pipeline_split(vllm_config)
         self.fingerprint = model_fingerprint(_common.model_identity(vllm_config, cfg.model_id))
+        self.namespace = b""  # a new random one after each reset_cache
         self.world_size = _common.model_parallel_world(vllm_config)
-        self.slot_bytes = sum(c.bytes_per_token for c in self.costs) * self.chunk_size
-        self.index = LocalIndex(slots_for_budget(cfg.cpu_bytes, self.slot_bytes), self.slot_bytes)
-        self.server = (ServerIndex(cfg, len(self.groups), self.world_size, f"scheduler-{os.getpid()}")
-                       if cfg.server else None)
-        #: bytes one chunk position occupies on the server (every group and rank, headers included)
-        self.server_chunk_bytes = self.world_size * sum(
-            HEADER_SIZE + c.bytes_per_token * self.chunk_size for c in self.costs)
-        self._load_leases: dict[str, tuple[int, int]] = {}  # req id -> (lease, planned server bytes)
+        object_bytes = [g.object_bytes(self.chunk_size) for g in self.groups]
+        num_slots = slots_for_budget(cfg.cpu_bytes, object_bytes)
+        self.local = [LocalIndex(num_slots, n) for n in object_bytes]
+        self.server = (ServerIndex(cfg, [g.need(self.chunk_size) for g in self.groups], self.world_size,
+                                   f"scheduler-{os.getpid()}") if cfg.server else None)
+        #: bytes one object occupies on the server, per group (every rank, header included)
+        self.server_object_bytes = [self.world_size * (HEADER_SIZE + n) for n in object_bytes]
+        self.fetch_timeout_s = 2 * cfg.server_timeout_s + 5.0
+        self.epoch = 0
         self._reqs: dict[str, RequestTracker] = {}
+        self._pending_fetches: list[FetchRequest] = []
         self._pending_loads: list[LoadRequest] = []
-        self._load_pins: dict[str, list[int]] = {}
+        self._forget: list[str] = []
+        self._holds: dict[str, tuple[list[tuple[int, int]], int, int]] = {}  # req -> pins, lease, server bytes
         self._load_acks: dict[str, int] = {}
-        self._store_acks: dict[int, int] = {}
-        self._slot_chunk: dict[int, int] = {}
-        logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots of %d bytes",
-                    self.chunk_size, self.index.num_slots, self.slot_bytes)
+        self._store_acks: dict[tuple[int, int], tuple[int, bool]] = {}  # (group, slot) -> acks, any failed
+        self._slot_chunk: dict[tuple[int, int], int] = {}
+        logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s",
+                    self.chunk_size, num_slots, "; ".join(g.describe() for g in self.groups))
 
     # ------------------------------------------------------------------ lookups
     def _tracker(self, request: Any) -> RequestTracker | None:
@@ -104,45 +145,94 @@ class SchedulerSide:
         ids = _common.request_prompt_ids(request)
         if ids is None:
             return None
-        keys = chunk_keys(self.fingerprint, ids, self.chunk_size, _common.request_extras(request))
+        keys = chunk_keys(self.fingerprint, ids, self.chunk_size, _common.request_extras(request),
+                          namespace=self.namespace)
         tr = RequestTracker(request.request_id, len(ids), keys)
         self._reqs[request.request_id] = tr
         return tr
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         tr = self._tracker(request)
-        if tr is None or (self.index.num_slots == 0 and self.server is None):
+        if tr is None or _common.skips_prefix_cache(request) or (
+                self.local[0].num_slots == 0 and self.server is None):
+            if tr is not None:
+                self._drop_fetch(tr)
             return 0, False
         if not tr.looked_up:
             tr.looked_up = True
             counters.SCHEDULER.add(lookup_requests=1, lookup_tokens=tr.prompt_len)
-        tr.local_hits = self.index.prefix_hits(tr.keys)
-        tr.server_hits = self._server_lookup(tr, num_computed_tokens)
-        hits = max(tr.local_hits, tr.server_hits)
-        tr.plan = plan_load(tr.prompt_len, num_computed_tokens, hits, self.chunk_size, self.costs)
-        if tr.plan is None:
-            self._release(tr.lease)
-            tr.lease = tr.server_hits = 0
+        f = tr.fetch
+        now = time.monotonic()
+        if f is not None and f.good < 0:
+            if now - f.issued <= self.fetch_timeout_s:
+                return None, False  # the workers are verifying: ask again next step
+            logger.warning("vllm-kvplugin: %s: no verdict on its hit after %.0f s; the prompt is computed",
+                           tr.req_id, now - f.issued)
+            counters.SCHEDULER.add(fetch_timeouts=1)
+            self._drop_fetch(tr)
             return 0, False
-        return tr.plan.num_tokens, False
+        if f is not None and f.lease and self.server is not None and now - f.verified_at > 0.5 * self.server.lease_s:
+            self._drop_fetch(tr)  # its lease may lapse before the load: look up again
+            f = None
+        if f is not None:
+            verified = f.verified()
+            tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
+                                lambda pos, g: (pos, g) in verified)
+            if tr.plan is None:
+                self._drop_fetch(tr)
+                return 0, False
+            return tr.plan.num_tokens, False
+        fetch = self._lookup(tr, num_computed_tokens)
+        if fetch is None:
+            return 0, False
+        tr.fetch = fetch
+        self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs))
+        return None, False
 
-    def _server_lookup(self, tr: RequestTracker, num_computed_tokens: int) -> int:
-        """Leading chunks on the server, pinned under ``tr.lease`` (a repeated lookup drops the old lease)."""
-        if self.server is None:
-            return 0
-        self._release(tr.lease)
-        tr.lease = 0
-        wanted = max_loadable_tokens(tr.prompt_len, self.chunk_size) // self.chunk_size
-        if wanted <= max(tr.local_hits, num_computed_tokens // self.chunk_size):
-            return 0  # nothing the server could add
-        try:
-            found = self.server.lookup(tr.keys[:wanted])
-        except TierTrouble as e:
-            counters.SCHEDULER.add(server_lookup_errors=1)
-            logger.warning("vllm-kvplugin: server lookup failed (%s); the prompt is computed", e)
-            return 0
-        tr.lease = found.lease
-        return found.hits
+    def _lookup(self, tr: RequestTracker, num_computed: int) -> Fetch | None:
+        """Plan from the local tier or the server, whichever restores more; pin what it needs."""
+        C = self.chunk_size
+        plan = plan_load(tr.prompt_len, num_computed, C, self.groups,
+                         lambda pos, g: self.local[g].ready(tr.keys[pos]))
+        lease = 0
+        local_end = plan.end // C if plan else 0
+        max_hit = max_loadable_tokens(tr.prompt_len, C) // C
+        if self.server is not None and local_end < max_hit:
+            try:
+                found = self.server.lookup(tr.keys[:max_hit], num_computed // C)
+            except TierTrouble as e:
+                counters.SCHEDULER.add(server_lookup_errors=1)
+                logger.warning("vllm-kvplugin: server lookup failed (%s); the prompt is computed", e)
+            else:
+                tr.server_hits = found.hits
+                if found.hits > local_end:  # the server pinned every object of that hit
+                    plan = plan_load(tr.prompt_len, num_computed, C, self.groups, lambda pos, g: True,
+                                     limit=found.hits)
+                    lease = found.lease
+                else:
+                    self._release(found.lease)
+        if plan is None:
+            return None
+        pins, jobs = [], []
+        for o in plan.objects:
+            key = tr.keys[o.position]
+            if lease:
+                jobs.append(FetchJob(key, o.position, o.group, lease=lease))
+            else:
+                slot = self.local[o.group].pin([key])[0]
+                pins.append((o.group, slot))
+                jobs.append(FetchJob(key, o.position, o.group, slot=slot))
+        return Fetch(plan, jobs, lease, pins, issued=time.monotonic())
+
+    def _drop_fetch(self, tr: RequestTracker) -> None:
+        """Give up a fetch: unpin, release, and tell the workers to forget what they verified."""
+        f, tr.fetch, tr.plan = tr.fetch, None, None
+        if f is None:
+            return
+        for g, slot in f.pins:
+            self.local[g].unpin(slot)
+        self._release(f.lease)
+        self._forget.append(tr.req_id)
 
     def _release(self, lease: int, planned: int | None = None) -> None:
         """Unpin a lease; with ``planned``, compare the bytes the server served with the plan."""
@@ -162,43 +252,43 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tr = self._reqs.get(request.request_id)
-        if tr is None or num_external_tokens <= 0 or tr.plan is None:
+        if tr is None or tr.plan is None or tr.fetch is None:
             return
-        plan = tr.plan
+        plan, f = tr.plan, tr.fetch
+        if num_external_tokens <= 0:
+            self._drop_fetch(tr)
+            return
         if num_external_tokens != plan.num_tokens:
-            # vLLM granted fewer tokens than planned: load exactly what it granted
-            plan = LoadPlan(plan.start, plan.start + num_external_tokens, self.chunk_size,
-                            tuple(c.bytes_per_token * num_external_tokens for c in self.costs))
+            plan = self._shrink(plan, num_external_tokens)
         block_ids = [list(b) for b in blocks.get_block_ids()]
-        last_chunk = -(-plan.end // self.chunk_size)
-        local_end = min(last_chunk, max(tr.local_hits, plan.first_chunk))
-        slots = self.index.pin(tr.keys[plan.first_chunk:local_end])
-        jobs = []
-        for ci in range(plan.first_chunk, last_chunk):
-            local = ci < local_end
-            jobs.append(ChunkJob(tr.keys[ci], ci, slots[ci - plan.first_chunk] if local else -1,
-                                 blocks_for_chunk(block_ids, ci, self.chunk_size, self.block_sizes),
-                                 skip=plan.skip_tokens(ci),
-                                 take=min(self.chunk_size, plan.end - ci * self.chunk_size),
-                                 lease=0 if local else tr.lease))
-        remote = last_chunk - local_end
-        if remote:
-            self._load_leases[request.request_id] = (tr.lease, remote * self.server_chunk_bytes)
-            counters.SCHEDULER.add(server_hit_tokens=min(plan.end, last_chunk * self.chunk_size)
-                                   - max(plan.start, local_end * self.chunk_size))
-        else:
-            self._release(tr.lease)
-        tr.lease = 0
-        self._pending_loads.append(LoadRequest(request.request_id, jobs, plan.expected_bytes))
-        self._load_pins.setdefault(request.request_id, []).extend(slots)
+        jobs = [LoadJob(tr.keys[o.position], o.position, o.group,
+                        object_blocks(self.groups[o.group], block_ids[o.group], o.position, self.chunk_size,
+                                      plan.end), o.lo, o.hi)
+                for o in plan.objects]
+        self._pending_loads.append(LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens))
+        served = sum(self.server_object_bytes[j.group] for j in f.jobs) if f.lease else 0
+        self._holds[tr.req_id] = (f.pins, f.lease, served)
+        if f.lease:
+            counters.SCHEDULER.add(server_hit_tokens=plan.num_tokens)
         counters.SCHEDULER.add(hit_tokens=plan.num_tokens, planned_load_tokens=plan.num_tokens,
                                planned_load_bytes=sum(plan.expected_bytes))
-        tr.plan = None
+        tr.fetch = tr.plan = None
+
+    def _shrink(self, plan: LoadPlan, tokens: int) -> LoadPlan:
+        """vLLM granted fewer tokens than planned: load exactly those (prefix groups only)."""
+        if any(g.kind is not GroupKind.ATTENTION and g.kind is not GroupKind.MLA for g in self.groups):
+            raise RuntimeError(f"vllm-kvplugin: vLLM granted {tokens} of the {plan.num_tokens} planned "
+                               "tokens of a hybrid model's hit; only the planned hit can be restored")
+        end = plan.start + tokens
+        objects = tuple(ObjectLoad(o.position, o.group, o.lo, min(o.hi, end)) for o in plan.objects if o.lo < end)
+        expected = tuple(tokens * g.bytes_per_token for g in self.groups)
+        return LoadPlan(plan.start, end, plan.chunk_size, objects, expected)
 
     # ------------------------------------------------------------------- stores
     def build_connector_meta(self, so: Any) -> KVPluginMetadata:
-        meta = KVPluginMetadata(loads=self._pending_loads)
-        self._pending_loads = []
+        meta = KVPluginMetadata(fetches=self._pending_fetches, loads=self._pending_loads,
+                                forget=self._forget, epoch=self.epoch)
+        self._pending_fetches, self._pending_loads, self._forget = [], [], []
         for nr in so.scheduled_new_reqs:
             tr = self._reqs.get(nr.req_id)
             if tr is not None:
@@ -227,31 +317,35 @@ class SchedulerSide:
                 meta.stores.append(StoreRequest(rid, jobs))
         return meta
 
-    def _store_jobs(self, tr: RequestTracker, done: int) -> list[ChunkJob]:
-        """Chunks completed by this step: into the local tier (once per key, while there is room,
-        a prefix only) and to the server (past what its lookup found; it drops what it has)."""
-        jobs: list[ChunkJob] = []
-        local_open = self.index.num_slots > 0
+    def _store_jobs(self, tr: RequestTracker, done: int) -> list[StoreJob]:
+        """Objects of the chunks completed by this step: into the local tier (once per key,
+        while there is room, a prefix only) and to the server (past what its lookup found; it
+        drops what it has)."""
+        jobs: list[StoreJob] = []
+        C = self.chunk_size
+        local_open = [idx.num_slots > 0 for idx in self.local]
         for ci in range(tr.stored_upto, done):
             key = tr.keys[ci]
-            slot = -1
-            if local_open and not self.index.contains(key):
-                got = self.index.allocate(key)
-                if got is None:  # no room: a later chunk without this one is useless
-                    counters.SCHEDULER.add(store_skipped_chunks=done - ci)
-                    local_open = False
-                else:
-                    slot, evicted = got
-                    if evicted:
-                        counters.SCHEDULER.add(evicted_bytes=evicted)
-                    self._slot_chunk[slot] = ci
             to_server = self.server is not None and ci >= tr.server_hits
-            if slot >= 0 or to_server:
-                jobs.append(ChunkJob(key, ci, slot,
-                                     blocks_for_chunk(tr.block_ids, ci, self.chunk_size, self.block_sizes),
-                                     to_server=to_server))
+            for g, spec in enumerate(self.groups):
+                idx, slot = self.local[g], -1
+                if local_open[g] and not idx.contains(key):
+                    got = idx.allocate(key)
+                    if got is None:  # no room: a later chunk without this one is useless
+                        counters.SCHEDULER.add(store_skipped_chunks=done - ci)
+                        local_open[g] = False
+                    else:
+                        slot, evicted = got
+                        if evicted:
+                            counters.SCHEDULER.add(evicted_bytes=evicted)
+                        self._slot_chunk[(g, slot)] = ci
+                if slot >= 0 or to_server:
+                    end = (ci + 1) * C
+                    jobs.append(StoreJob(key, ci, g, object_blocks(spec, tr.block_ids[g], ci, C),
+                                         end - spec.stored_tokens(C), end, slot=slot, to_server=to_server))
         tr.stored_upto = max(tr.stored_upto, done)
-        self.index.touch(tr.keys[:done])
+        for idx in self.local:
+            idx.touch(tr.keys[:done])
         return jobs
 
     # ---------------------------------------------------------- worker results
@@ -259,37 +353,67 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVPluginWorkerMeta):
             return
-        for slot in sorted(meta.stored, key=lambda s: -self._slot_chunk.get(s, 0)):
-            acks = self._store_acks.get(slot, 0) + meta.stored[slot]
-            if acks >= self.world_size:
-                self._store_acks.pop(slot, None)
-                self._slot_chunk.pop(slot, None)
-                self.index.commit(slot, slot not in meta.store_failed)
-            else:
-                self._store_acks[slot] = acks
-        for slot in meta.store_failed:
-            if slot not in meta.stored:
-                self._store_acks.pop(slot, None)
-                self._slot_chunk.pop(slot, None)
-                self.index.commit(slot, False)
+        self._settle_stores(meta)
+        now = time.monotonic()
+        for rid, (ranks, good) in meta.fetched.items():
+            tr = self._reqs.get(rid)
+            f = tr.fetch if tr is not None else None
+            if f is None or f.good >= 0:
+                continue  # given up meanwhile (its staged bytes were forgotten)
+            f.ranks += ranks
+            f.fewest = good if f.fewest is None else min(f.fewest, good)
+            if f.ranks >= self.world_size:
+                f.good, f.verified_at = f.fewest, now
+                if f.lease and f.good < len(f.jobs):  # dropped from the server: this request stores it again
+                    tr.server_hits = min(tr.server_hits, f.jobs[f.good].position)
+        for g, slot in meta.bad_slots:  # failed verification: never offered again
+            self.local[g].drop(slot)
+            counters.SCHEDULER.add(dropped_objects=1)
         for rid, n in meta.loads_done.items():
             acks = self._load_acks.get(rid, 0) + n
-            if acks >= self.world_size:
-                self._load_acks.pop(rid, None)
-                for slot in self._load_pins.pop(rid, []):
-                    self.index.unpin(slot)
-                if rid in self._load_leases:
-                    self._release(*self._load_leases.pop(rid))
-            else:
+            if acks < self.world_size:
                 self._load_acks[rid] = acks
-        for slot in meta.load_failed:
-            self.index.drop(slot)
+                continue
+            self._load_acks.pop(rid, None)
+            pins, lease, served = self._holds.pop(rid, ([], 0, 0))
+            for g, slot in pins:
+                self.local[g].unpin(slot)
+            self._release(lease, served)
+        if meta.load_failed:
+            self.epoch += 1  # workers drop the stores of older metadata: computed over unloaded blocks
+        for rid, pos in [*meta.stores_cancelled.items(), *meta.load_failed.items()]:
+            tr = self._reqs.get(rid)
+            if tr is not None:  # stored again once recomputed
+                tr.stored_upto = min(tr.stored_upto, pos)
+
+    def _settle_stores(self, meta: KVPluginWorkerMeta) -> None:
+        """A slot is committed once every rank reported on it: READY if none failed, else freed."""
+        slots = set(meta.stored) | set(meta.store_failed)
+        for slot in sorted(slots, key=lambda s: -self._slot_chunk.get(s, 0)):
+            acks, failed = self._store_acks.get(slot, (0, False))
+            acks += meta.stored.get(slot, 0) + meta.store_failed.get(slot, 0)
+            failed = failed or slot in meta.store_failed
+            if acks < self.world_size:
+                self._store_acks[slot] = (acks, failed)
+                continue
+            self._store_acks.pop(slot, None)
+            self._slot_chunk.pop(slot, None)
+            self.local[slot[0]].commit(slot[1], not failed)
 
     def request_finished(self, request: Any) -> None:
         tr = self._reqs.pop(request.request_id, None)
         if tr is not None:
-            self._release(tr.lease)  # looked up but never loaded
+            self._drop_fetch(tr)  # looked up but never loaded
 
     def reset_cache(self) -> bool:
-        self.index.clear()
+        """Make everything stored so far unreachable: the local tier is emptied (objects still
+        being stored or loaded included), and keys move to a new namespace, so that nothing this
+        engine stored before -- on the server and in its L2 too -- is ever loaded again, and
+        requests already running store nothing more."""
+        for idx in self.local:
+            idx.clear()
+        self.namespace = os.urandom(16)
+        for tr in self._reqs.values():
+            self._drop_fetch(tr)
+            tr.stored_upto = len(tr.keys)
         return True

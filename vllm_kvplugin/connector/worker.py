@@ -1,14 +1,19 @@
-"""Worker role: layouts at registration, loads before attention, stores after the forward.
+"""Worker role: layouts at registration, verified fetches, loads before attention, stores.
 
 Runs in each vLLM worker process.  Call order per step (vLLM): metadata bound
--> ``start_load`` (before the forward whenever a request has a synchronous
-load, which is all this connector asks for) -> forward -> ``store`` (from
-``wait_for_save``) -> ``take_invalid_blocks`` / ``take_meta``.
+-> ``start_load`` (before the forward when the step loads, which every claimed
+hit does; after it otherwise) -> forward -> ``store`` (from ``wait_for_save``)
+-> ``take_invalid_blocks`` / ``take_meta``.
 
-Nothing here may crash the engine or serve doubtful KV: every load checks the
-chunk header and checksum before a byte reaches the KV cache, any failure is
-counted by reason and reported to vLLM as invalid blocks (vLLM recomputes
-them), and store failures only drop the chunk.
+``start_load`` first *fetches*: it reads the objects of every hit the scheduler
+is holding back, checks header, size and checksum, and keeps views of the
+verified bytes (they stay put: pinned in the local tier, leased on the server;
+a restarted server's old pool stays mapped); then it *loads* claimed hits from
+those verified views only.  A load can thus only fail on a copy error: its
+blocks are then reported to vLLM (recomputed), and every store of the step and
+of later metadata up to the scheduler's next epoch is dropped (computed over
+blocks the load never wrote).  Nothing here may crash the engine or serve
+doubtful KV; an object that fails verification is dropped from its tier at once.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from vllm_kvplugin.chunk.format import (
 )
 from vllm_kvplugin.chunk.keys import model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
-from vllm_kvplugin.connector.metadata import ChunkJob, KVPluginMetadata, KVPluginWorkerMeta
+from vllm_kvplugin.connector.metadata import (
+    FetchRequest,
+    KVPluginMetadata,
+    KVPluginWorkerMeta,
+    LoadJob,
+    LoadRequest,
+    StoreJob,
+)
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
@@ -47,18 +59,18 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def token_slots(block_ids: Sequence[int], block_size: int, chunk_size: int, skip: int = 0,
+def token_slots(block_ids: Sequence[int], block_size: int, tokens: int, skip: int = 0,
                 take: int = -1) -> torch.Tensor:
-    """``[1, T]`` paged slots of a chunk's tokens; tokens outside ``[skip, take)`` are -1."""
-    take = chunk_size if take < 0 else take
-    t = torch.arange(chunk_size, dtype=torch.int64)
+    """``[1, T]`` paged slots of an object's ``T`` tokens; tokens outside ``[skip, take)`` are -1."""
+    take = tokens if take < 0 else take
+    t = torch.arange(tokens, dtype=torch.int64)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
-    if blocks.numel() * block_size != chunk_size:
-        raise ChunkError("plan", f"{blocks.numel()} blocks of {block_size} for a chunk of {chunk_size}")
+    if blocks.numel() * block_size != tokens:
+        raise ChunkError("plan", f"{blocks.numel()} blocks of {block_size} for an object of {tokens} tokens")
     slots = blocks[t // block_size] * block_size + t % block_size
     slots[:skip] = -1
     slots[take:] = -1
-    return slots.view(1, chunk_size)
+    return slots.view(1, tokens)
 
 
 class WorkerSide:
@@ -72,6 +84,7 @@ class WorkerSide:
         self.adapter = adapter
         self.vllm_version = vllm_version
         self.chunk_size = cfg.chunk_size
+        self.groups = _common.group_specs(kv_cache_config)
         self.fingerprint = model_fingerprint(_common.model_identity(vllm_config, cfg.model_id))
         self.rank, self.world = 0, _common.model_parallel_world(vllm_config)
         self.server: ServerStore | None = None
@@ -79,11 +92,12 @@ class WorkerSide:
         self.layers: list[list[torch.Tensor]] = []
         self.pool: LocalPool | None = None
         self.device = torch.device("cpu")
+        self.engine: TransferEngine | None = None
         self._invalid_blocks: set[int] = set()
         self._meta = KVPluginWorkerMeta()
-        self._pending_stores: list[tuple[list[Any], list[ChunkJob], list, float]] = []
-        self._bytes_per_token = 0
-        self.engine: TransferEngine | None = None
+        self._pending_stores: list[tuple[list[Any], list[StoreJob], list, float]] = []
+        self._staged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # verified objects per request
+        self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
 
     # ------------------------------------------------------------- registration
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -91,13 +105,12 @@ class WorkerSide:
         self.rank, self.world = _common.model_parallel_rank(self.vllm_config)
         sources = self.adapter.describe_groups(self.vllm_config, self.kv_cache_config, kv_caches,
                                                self.vllm_version)
-        expected = _common.group_infos(self.kv_cache_config)
-        for (src, tensors), info in zip(sources, expected):
-            layout, layers = build_layout(src, tensors)
-            if layout.bytes_per_token != info.bytes_per_token():
+        for (src, tensors), spec in zip(sources, self.groups):
+            layout, layers = build_layout(src, tensors, spec.kind)
+            if layout.bytes_per_token != spec.bytes_per_token:
                 raise LayoutError(
                     f"vllm-kvplugin: {layout.describe()} holds {layout.bytes_per_token} bytes per "
-                    f"token but the KV cache spec implies {info.bytes_per_token()}")
+                    f"token but the KV cache spec implies {spec.bytes_per_token}")
             if self.cfg.certify:
                 certify(layout, layers)
             logger.info("vllm-kvplugin worker %d/%d: %s", self.rank, self.world, layout.describe())
@@ -105,175 +118,209 @@ class WorkerSide:
             self.layers.append(layers)
         self.device = self.layers[0][0].device
         self.engine = engine_for(self.device)
-        self._bytes_per_token = sum(lay.bytes_per_token for lay in self.layouts)
-        slot_bytes = sum(lay.chunk_nbytes(self.chunk_size) for lay in self.layouts)
-        num_slots = slots_for_budget(self.cfg.cpu_bytes, slot_bytes)
+        num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
         pin = self.device.type == "cuda"
-        self.pool = LocalPool([lay.chunk_shape(self.chunk_size) for lay in self.layouts],
+        self.pool = LocalPool([self._shape(g) for g in range(len(self.groups))],
                               [lay.dtype for lay in self.layouts], num_slots, pin_memory=pin)
         if self.cfg.server:
             self.server = ServerStore(self.cfg, self.rank, self.world, f"worker{self.rank}", pin_for_cuda=pin)
 
-    def _expect(self, layout: KVLayout, job: ChunkJob) -> ChunkExpect:
-        start = job.chunk_index * self.chunk_size
-        return ChunkExpect(self.fingerprint, job.key, int(layout.kind), dtype_name(layout.dtype),
-                           layout.chunk_shape(self.chunk_size), start, start + self.chunk_size,
-                           self.world, self.rank, layout.group_index)
+    def _shape(self, g: int) -> tuple[int, ...]:
+        """Payload shape of one object of group ``g``."""
+        return self.layouts[g].chunk_shape(self.groups[g].stored_tokens(self.chunk_size))
 
-    def _slots(self, layout: KVLayout, jobs: Sequence[ChunkJob]) -> torch.Tensor:
-        """``[C, T]`` paged slots of ``jobs`` in ``layout``'s group."""
-        return torch.cat([token_slots(j.block_ids[layout.group_index], layout.block_size,
-                                      self.chunk_size, j.skip, j.take) for j in jobs])
+    def object_slots(self, job: LoadJob | StoreJob) -> torch.Tensor:
+        """``[1, T]`` paged slots of an object's tokens: those outside the job's ``[lo, hi)`` are -1."""
+        tokens = self.groups[job.group].stored_tokens(self.chunk_size)
+        first = (job.position + 1) * self.chunk_size - tokens
+        return token_slots(job.block_ids, self.layouts[job.group].block_size, tokens, job.lo - first,
+                           job.hi - first)
+
+    def _expect(self, g: int, key: bytes, position: int) -> ChunkExpect:
+        spec, layout = self.groups[g], self.layouts[g]
+        end = (position + 1) * self.chunk_size
+        return ChunkExpect(self.fingerprint, key, int(spec.kind), dtype_name(layout.dtype), self._shape(g),
+                           end - spec.stored_tokens(self.chunk_size), end, self.world, self.rank, g,
+                           spec.layers, spec.spec)
+
+    # ------------------------------------------------------------ verification
+    def start_load(self, meta: KVPluginMetadata) -> None:
+        for rid in meta.forget:
+            self._staged.pop(rid, None)
+        for fetch in meta.fetches:
+            self._fetch(fetch)
+        for req in meta.loads:
+            self._load(req, meta.epoch)
+
+    def _fetch(self, req: FetchRequest) -> None:
+        """Read and verify every object of a held-back hit; keep views of the verified ones.
+
+        Reports how many leading objects passed.  Every object that fails is dropped from
+        its tier at once (all of them, not only the first: each would fail a later hit);
+        the failure counts once, by the first one's reason."""
+        jobs = req.jobs
+        errors: list[ChunkError | TierTrouble | None] = [None] * len(jobs)
+        views: list[tuple[bytes, torch.Tensor] | None] = [None] * len(jobs)
+        try:
+            self._resolve_remote(jobs, views)
+        except TierTrouble as e:
+            errors = [e if j.lease else None for j in jobs]
+        checked: dict[int, tuple[int, memoryview, torch.Tensor]] = {}
+        for n, job in enumerate(jobs):
+            if errors[n] is not None:
+                continue
+            try:
+                if job.lease:
+                    header, payload = views[n]
+                else:
+                    if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
+                        raise ChunkError("missing", f"slot {job.slot} outside the pool")
+                    header, payload = self.pool.header(job.group, job.slot), self.pool.payload(job.group, job.slot)
+                    if header is None:
+                        raise ChunkError("missing", f"slot {job.slot} holds no object")
+                expect = self._expect(job.group, job.key, job.position)
+                data = _bytes_of(payload)
+                checksum = check_chunk(header, data, expect, verify_checksum=False).checksum
+                checked[n] = (checksum, data, payload.view(self.layouts[job.group].dtype).view(1, *expect.shape))
+            except ChunkError as e:
+                errors[n] = e
+        if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte is used
+            order = list(checked)
+            for n, got in zip(order, payload_checksums([checked[n][1] for n in order])):
+                if got != checked[n][0]:
+                    errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
+        good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
+        self._staged[req.req_id] = {(j.position, j.group): checked[n][2] for n, j in enumerate(jobs[:good])}
+        self._meta.fetched[req.req_id] = (1, good)
+        if good < len(jobs):
+            self._failed_fetch(req, errors)
+
+    def _resolve_remote(self, jobs, views) -> None:
+        """Pool views (header bytes, payload tensor) of the leased jobs, per group."""
+        by_group: dict[int, list[int]] = {}
+        for n, job in enumerate(jobs):
+            if job.lease:
+                by_group.setdefault(job.group, []).append(n)
+        if by_group and self.server is None:
+            raise TierTrouble("server_unavailable", "no server configured in this worker")
+        for g, idx in by_group.items():
+            offs = self.server.resolve(jobs[idx[0]].lease, [jobs[n].key for n in idx], g)
+            for n, (off, size) in zip(idx, offs):
+                header_t, payload_t = self.server.views(off, size)
+                views[n] = (bytes(header_t.numpy()), payload_t)
+
+    def _failed_fetch(self, req: FetchRequest, errors) -> None:
+        first = next(n for n, e in enumerate(errors) if e is not None)
+        job, e = req.jobs[first], errors[first]
+        counters.WORKER.failure(e.reason)
+        logger.warning("vllm-kvplugin: %s: object of chunk %d (group %d) not served (%s); recomputing",
+                       req.req_id, job.position, job.group, e)
+        corrupt = []
+        for job, e in zip(req.jobs, errors):
+            if not isinstance(e, ChunkError):
+                continue  # fine, or the tier could not answer: nothing known to be wrong with it
+            if job.slot >= 0:
+                self._meta.bad_slots[(job.group, job.slot)] = e.reason
+            elif job.lease and self.server is not None:
+                corrupt.append(self.server.object_id(job.key, job.group))
+        if corrupt:
+            self.server.drop(corrupt)
 
     # -------------------------------------------------------------------- loads
-    def start_load(self, meta: KVPluginMetadata) -> None:
-        """Verify, then scatter every planned chunk; failures become invalid blocks."""
-        for req in meta.loads:
-            t0 = time.perf_counter()
-            moved = [0] * len(self.layouts)
-            try:
-                bufs, good, reason = self._sources(req.req_id, req.jobs)
-                if good:
-                    self._load_jobs(req.jobs[:good], bufs, moved)
-                if reason is None and tuple(moved) != tuple(req.expected_bytes):
-                    good, reason = 0, "byte_mismatch"
-                    logger.warning("vllm-kvplugin: %s moved %s bytes, planned %s; recomputing",
-                                   req.req_id, moved, list(req.expected_bytes))
-            except Exception:  # never crash the engine: recompute instead
-                logger.exception("vllm-kvplugin: load of %s failed; recomputing", req.req_id)
-                good, reason = 0, "error"
-            if reason is None:
-                counters.WORKER.add(loaded_tokens=sum(moved) // max(1, self._bytes_per_token),
-                                    loaded_bytes=sum(moved), load_seconds=time.perf_counter() - t0)
-            else:
-                counters.WORKER.failure(reason)
-                block_size = self.layouts[0].block_size
-                for job in req.jobs[good:]:
-                    self._invalid_blocks.update(job.block_ids[0][job.skip // block_size:])
-                    if job.slot >= 0:
-                        self._meta.load_failed.setdefault(job.slot, reason)
-            self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
-
-    def _sources(self, req_id: str, jobs: Sequence[ChunkJob]) -> tuple[list[list[torch.Tensor]], int, str | None]:
-        """Per group, the checked host chunks of the leading valid jobs; how many; why not more."""
-        bufs: list[list[torch.Tensor]] = [[] for _ in self.layouts]
-        remote: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layouts]
-        trouble: TierTrouble | None = None
-        leased = [j for j in jobs if j.lease]
-        if leased:
-            try:
-                if self.server is None:
-                    raise TierTrouble("server_unavailable", "no server configured in this worker")
-                for layout in self.layouts:
-                    offs = self.server.resolve(leased[0].lease, [j.key for j in leased], layout.group_index)
-                    remote[layout.group_index] = [self.server.views(o, n) for o, n in offs]
-            except TierTrouble as e:
-                trouble = e
-        n_remote = 0
-        checked: list[list[tuple[int, memoryview, torch.Tensor]]] = []  # per job, per group
-        failure: tuple[int, ChunkError | TierTrouble] | None = None
-        for n, job in enumerate(jobs):
-            try:
-                got = []
-                for layout in self.layouts:
-                    g = layout.group_index
-                    if job.lease:
-                        if trouble is not None:
-                            raise trouble
-                        header_t, payload_t = remote[g][n_remote]
-                        header, payload = bytes(header_t.numpy()), payload_t
-                    else:
-                        if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
-                            raise ChunkError("missing", f"slot {job.slot} outside the pool")
-                        header, payload = self.pool.header(g, job.slot), self.pool.payload(g, job.slot)
-                        if header is None:
-                            raise ChunkError("missing", f"slot {job.slot} holds no chunk")
-                    expect = self._expect(layout, job)
-                    data = _bytes_of(payload)
-                    checksum = check_chunk(header, data, expect, verify_checksum=False).checksum
-                    got.append((checksum, data, payload.view(layout.dtype).view(1, *expect.shape)))
-                checked.append(got)
-                n_remote += bool(job.lease)
-            except (ChunkError, TierTrouble) as e:
-                failure = (n, e)
-                break
-        if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte moves
-            sums = iter(payload_checksums([data for got in checked for _, data, _ in got]))
-            for n, got in enumerate(checked):
-                if any(want != next(sums) for want, _, _ in got):
-                    failure = (n, ChunkError("checksum", "payload bytes do not match the header checksum"))
-                    checked = checked[:n]
-                    break
-        for got in checked:
-            for g, (_, _, t) in enumerate(got):
-                bufs[g].append(t)
-        if failure is not None:
-            n, e = failure
-            logger.warning("vllm-kvplugin: %s chunk %d not served (%s); recomputing",
-                           req_id, jobs[n].chunk_index, e)
-            return bufs, n, e.reason
-        return bufs, len(jobs), None
-
-    def _load_jobs(self, jobs: Sequence[ChunkJob], bufs: list[list[torch.Tensor]], moved: list[int]) -> None:
-        for layout in self.layouts:
-            g = layout.group_index
-            slots = self._slots(layout, jobs)
-            self.engine.load(layout, self.layers[g], slots, bufs[g])
-            moved[g] += int((slots >= 0).sum()) * layout.bytes_per_token
+    def _load(self, req: LoadRequest, epoch: int) -> None:
+        """Copy a claimed hit's verified objects into the KV cache (before the forward)."""
+        t0 = time.perf_counter()
+        staged = self._staged.pop(req.req_id, {})
+        try:
+            work, moved = [], [0] * len(self.layouts)
+            for g, layout in enumerate(self.layouts):
+                jobs = [j for j in req.jobs if j.group == g]
+                if not jobs:
+                    continue
+                bufs, slots = [], []
+                for j in jobs:
+                    src = staged.get((j.position, g))
+                    if src is None:
+                        raise ChunkError("missing", f"chunk {j.position} of group {g} was not verified")
+                    slots.append(self.object_slots(j))
+                    bufs.append(src)
+                slot_t = torch.cat(slots)
+                moved[g] = int((slot_t >= 0).sum()) * layout.bytes_per_token
+                work.append((layout, self.layers[g], slot_t, bufs))
+            if tuple(moved) != tuple(req.expected_bytes):  # checked before a byte is written
+                raise ChunkError("byte_mismatch", f"would move {moved} bytes, planned {list(req.expected_bytes)}")
+            for layout, layers, slot_t, bufs in work:
+                self.engine.load(layout, layers, slot_t, bufs)
+        except Exception as e:  # never crash the engine: recompute instead
+            reason = e.reason if isinstance(e, ChunkError) else "error"
+            logger.exception("vllm-kvplugin: load of %s failed (%s); recomputing", req.req_id, reason)
+            counters.WORKER.failure(reason)
+            for j in req.jobs:
+                self._invalid_blocks.update(b for b in j.block_ids if b)
+            self._meta.load_failed[req.req_id] = min(j.position for j in req.jobs)
+            self._failed_epoch = max(self._failed_epoch, epoch)
+        else:
+            counters.WORKER.add(loaded_tokens=req.num_tokens, loaded_bytes=sum(moved),
+                                load_seconds=time.perf_counter() - t0)
+        self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
 
     # ------------------------------------------------------------------- stores
     def store(self, meta: KVPluginMetadata) -> None:
-        """Issue the gathers of every chunk completed by this step's forward."""
+        """Issue the gathers of every object completed by this step's forward."""
         jobs = [job for req in meta.stores for job in req.jobs]
         if not jobs:
+            return
+        if meta.epoch <= self._failed_epoch:
+            self._cancel(meta)
             return
         t0 = time.perf_counter()
         local = [j for j in jobs if j.slot >= 0]
         remote = self._reserve([j for j in jobs if j.to_server])
         try:
             tickets = []
-            for layout in self.layouts:
-                g = layout.group_index
-                targets: list[tuple[ChunkJob, torch.Tensor]] = []
+            for g, layout in enumerate(self.layouts):
+                targets: list[tuple[StoreJob, torch.Tensor]] = []
                 for job in local:
-                    self.pool.set_header(g, job.slot, None)
-                    targets.append((job, self.pool.payload(g, job.slot)))
-                for job, views in remote:
-                    targets.append((job, views[g][1].view(layout.dtype).view(1, *layout.chunk_shape(self.chunk_size))))
+                    if job.group == g:
+                        self.pool.set_header(g, job.slot, None)
+                        targets.append((job, self.pool.payload(g, job.slot)))
+                for job, (_, payload_t) in remote:
+                    if job.group == g:
+                        targets.append((job, payload_t.view(layout.dtype).view(1, *self._shape(g))))
                 if targets:
-                    tickets.append(self.engine.store(layout, self.layers[g], self._slots(layout, [j for j, _ in targets]),
-                                                     [t for _, t in targets]))
+                    slots = torch.cat([self.object_slots(j) for j, _ in targets])
+                    tickets.append(self.engine.store(layout, self.layers[g], slots, [t for _, t in targets]))
         except Exception:
-            logger.exception("vllm-kvplugin: store of %d chunks failed", len(jobs))
-            self._meta.store_failed.update(j.slot for j in local)
+            logger.exception("vllm-kvplugin: store of %d objects failed", len(jobs))
+            self._fail_local(local)
             if remote and self.server is not None:
-                self.server.abort([oid for job, _ in remote for oid in self._oids(job)])
+                self.server.abort([self.server.object_id(j.key, j.group) for j, _ in remote])
             return
         self._pending_stores.append((tickets, local, remote, t0))
         self._finish_stores()
 
-    def _oids(self, job: ChunkJob) -> list[bytes]:
-        assert self.server is not None
-        return [self.server.object_id(job.key, lay.group_index) for lay in self.layouts]
+    def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
+        for j in jobs:
+            self._meta.store_failed[(j.group, j.slot)] = self._meta.store_failed.get((j.group, j.slot), 0) + 1
 
-    def _reserve(self, jobs: list[ChunkJob]) -> list[tuple[ChunkJob, list[tuple[torch.Tensor, torch.Tensor]]]]:
-        """Server room for every group of each job; jobs the server already has (or cannot take) drop out."""
+    def _cancel(self, meta: KVPluginMetadata) -> None:
+        """A load failed after its claim: this metadata's stores may hold KV computed over blocks
+        that load never wrote.  None of them lands; the scheduler stores them again later."""
+        for req in meta.stores:
+            self._fail_local([j for j in req.jobs if j.slot >= 0])
+            first = min(j.position for j in req.jobs)
+            self._meta.stores_cancelled[req.req_id] = min(first, self._meta.stores_cancelled.get(req.req_id, first))
+        counters.WORKER.add(stores_cancelled=sum(len(r.jobs) for r in meta.stores))
+
+    def _reserve(self, jobs: list[StoreJob]) -> list[tuple[StoreJob, tuple[torch.Tensor, torch.Tensor]]]:
+        """Server room for each object; objects the server already has (or cannot take) drop out."""
         if not jobs or self.server is None:
             return []
-        sizes = [HEADER_SIZE + lay.chunk_nbytes(self.chunk_size) for lay in self.layouts]
+        items = [(self.server.object_id(j.key, j.group), HEADER_SIZE + self.groups[j.group].object_bytes(self.chunk_size))
+                 for j in jobs]
         try:
-            offs = self.server.reserve([(oid, n) for job in jobs for oid, n in zip(self._oids(job), sizes)])
-            out, unwanted = [], []
-            G = len(self.layouts)
-            for i, job in enumerate(jobs):
-                mine = offs[i * G:(i + 1) * G]
-                if all(o is not None for o in mine):
-                    out.append((job, [self.server.views(o, n) for o, n in zip(mine, sizes)]))
-                else:  # already on the server (or no room): give back what was reserved
-                    unwanted += [oid for oid, o in zip(self._oids(job), mine) if o is not None]
-            if unwanted:
-                self.server.abort(unwanted)
-            return out
+            offs = self.server.reserve(items)
+            return [(j, self.server.views(o, n)) for j, o, (_, n) in zip(jobs, offs, items) if o is not None]
         except TierTrouble as e:
             counters.WORKER.add(server_store_errors=1)
             logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
@@ -298,34 +345,27 @@ class WorkerSide:
             elif not all(self.engine.done(t) for t in tickets):
                 still.append((tickets, local, remote, t0))
                 continue
-            payloads = [_bytes_of(self.pool.payload(lay.group_index, job.slot))
-                        for job in local for lay in self.layouts]
-            done = iter(zip(payloads, payload_checksums(payloads)))
+            payloads = [_bytes_of(self.pool.payload(j.group, j.slot)) for j in local]
             nbytes = sum(p.nbytes for p in payloads)
-            for job in local:
-                for layout in self.layouts:
-                    g = layout.group_index
-                    header = ChunkHeader.for_payload(self._expect(layout, job), *next(done))
-                    self.pool.set_header(g, job.slot, header.pack())
-                self._meta.stored[job.slot] = self._meta.stored.get(job.slot, 0) + 1
+            for job, payload, checksum in zip(local, payloads, payload_checksums(payloads)):
+                header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
+                self.pool.set_header(job.group, job.slot, header.pack())
+                self._meta.stored[(job.group, job.slot)] = self._meta.stored.get((job.group, job.slot), 0) + 1
             nbytes += self._publish(remote)
-            counters.WORKER.add(stored_tokens=self.chunk_size * (len(local) + len(remote)), stored_bytes=nbytes,
-                                store_seconds=time.perf_counter() - t0)
+            counters.WORKER.add(stored_tokens=sum(j.hi - j.lo for j in local) + sum(j.hi - j.lo for j, _ in remote),
+                                stored_bytes=nbytes, store_seconds=time.perf_counter() - t0)
         self._pending_stores = still
 
     def _publish(self, remote) -> int:
         """Headers into the server's pool, then commit: the objects become visible only now."""
         if not remote:
             return 0
-        payloads = [_bytes_of(payload_t) for _, views in remote for _, payload_t in views]
-        done = iter(zip(payloads, payload_checksums(payloads)))
-        nbytes = sum(p.nbytes for p in payloads)
+        payloads = [_bytes_of(payload_t) for _, (_, payload_t) in remote]
         oids = []
-        for job, views in remote:
-            for layout, (header_t, _) in zip(self.layouts, views):
-                header = ChunkHeader.for_payload(self._expect(layout, job), *next(done)).pack()
-                header_t.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-            oids += self._oids(job)
+        for (job, (header_t, _)), payload, checksum in zip(remote, payloads, payload_checksums(payloads)):
+            header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum).pack()
+            header_t.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            oids.append(self.server.object_id(job.key, job.group))
         try:
             ok = self.server.commit(oids)
         except TierTrouble as e:
@@ -335,7 +375,7 @@ class WorkerSide:
         if not all(ok):
             counters.WORKER.add(server_store_errors=1)
             logger.warning("vllm-kvplugin: the server refused %d of %d objects", ok.count(False), len(ok))
-        return nbytes
+        return sum(p.nbytes for p in payloads)
 
     def fence(self) -> None:
         """Before a step's forward: the compute stream must not overwrite blocks stores still read."""

@@ -164,8 +164,12 @@ def _check_physical_order(where: str, src: GroupSource, shape: tuple[int, ...],
                 f"strides {stride}")
 
 
-def build_layout(src: GroupSource, tensors: Sequence[torch.Tensor]) -> tuple[KVLayout, list[torch.Tensor]]:
-    """Descriptor and de-duplicated layer tensors for one group; raises :class:`LayoutError`."""
+def build_layout(src: GroupSource, tensors: Sequence[torch.Tensor],
+                 kind: GroupKind | None = None) -> tuple[KVLayout, list[torch.Tensor]]:
+    """Descriptor and de-duplicated layer tensors for one group; raises :class:`LayoutError`.
+
+    ``kind``: the group's kind when it is not plain attention or MLA (a sliding-window
+    group's pages are attention pages)."""
     if len(tensors) != len(src.layer_names):
         raise LayoutError(f"group {src.group_index}: {len(tensors)} tensors for {len(src.layer_names)} layers")
     if not tensors:
@@ -212,7 +216,7 @@ def build_layout(src: GroupSource, tensors: Sequence[torch.Tensor]) -> tuple[KVL
         raise LayoutError(f"{where}: strides {strides} reach outside the layer's storage")
     layout = KVLayout(
         group_index=src.group_index,
-        kind=GroupKind.MLA if mla else GroupKind.ATTENTION,
+        kind=kind or (GroupKind.MLA if mla else GroupKind.ATTENTION),
         semantics=sem,
         source=src.describe(),
         layer_names=tuple(names),

@@ -31,11 +31,12 @@ class ContentSemantics(enum.Enum):
 
 
 class GroupKind(enum.IntEnum):
-    """Kind of a KV cache group, as written in the chunk header."""
+    """Kind of a KV cache group, as written in the chunk header (:mod:`.groups`)."""
 
     ATTENTION = 1
     MLA = 2
     RECURRENT = 3
+    WINDOW = 4
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ import zmq
 from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.config import ServerConfig, ServerConfigError, config_from_args
+from vllm_kvplugin.server.leases import PendingLookup, RequestError, parse_needs
 from vllm_kvplugin.server.pool import SharedPool
 from vllm_kvplugin.server.protocol import default_socket_dir
-from vllm_kvplugin.server.store import PendingLookup, RequestError, Store
+from vllm_kvplugin.server.store import Store
 
 logger = logging.getLogger("vllm_kvplugin.server")
 
@@ -220,8 +221,8 @@ class Server:
         if op == "heartbeat":
             return P.Empty()
         if op == "lookup":
-            r = st.lookup(s, body.keys, body.groups, body.ranks, body.world, body.wait_ms / 1000.0,
-                          ident, req_id, head, now)
+            r = st.lookup(s, body.keys, parse_needs(body.needs), body.ranks, body.world, body.first,
+                          body.wait_ms / 1000.0, ident, req_id, head, now)
             return None if isinstance(r, PendingLookup) else r
         if op == "resolve":
             offsets, sizes = st.resolve(body.lease, body.keys, body.group, body.rank, body.world, now)
@@ -236,6 +237,8 @@ class Server:
             return P.CommitRep(st.commit(s, body.ids))
         if op == "abort":
             return P.AbortRep(st.abort(s, body.ids))
+        if op == "drop":
+            return P.DropRep(st.drop_reported(body.ids))
         if op == "stats":
             d = st.snapshot()
             d["instance"] = self.instance

@@ -24,7 +24,7 @@ def header_object_id(h: ChunkHeader) -> bytes:
 
 
 def pack_header(*, key: bytes, group: int, rank: int, world: int, payload_nbytes: int,
-                checksum: int, fingerprint: bytes = b"\0" * 16, kind: int = 0, dtype: str = "uint8",
+                checksum: int, fingerprint: bytes = b"\0" * 32, kind: int = 0, dtype: str = "uint8",
                 shape: tuple[int, int, int, int, int] | None = None,
                 token_start: int = 0, token_end: int = 0) -> bytes:
     """A header for tests and benchmarks (dtype uint8, shape ``[1, 1, n, 1, 1]`` by default)."""

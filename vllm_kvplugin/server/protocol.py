@@ -21,16 +21,18 @@ from typing import Annotated, Any
 
 import msgspec
 
-#: bumped on any incompatible change of the messages below
-PROTOCOL_VERSION = 1
+from vllm_kvplugin.chunk.keys import KEY_SIZE
+
+#: bumped on any incompatible change of the messages below (2: 32-byte keys, per-group
+#: lookup rules, ``drop``)
+PROTOCOL_VERSION = 2
 #: a request larger than this gets a ``too_large`` error reply
 MAX_MESSAGE_BYTES = 16 << 20
 #: ZMQ drops the connection of a peer sending more than this (no reply possible)
 HARD_MESSAGE_BYTES = 64 << 20
 
-KEY_SIZE = 16
 _OID = struct.Struct("<HHH")
-OBJECT_ID_SIZE = KEY_SIZE + _OID.size  # 22
+OBJECT_ID_SIZE = KEY_SIZE + _OID.size  # 38
 
 #: payloads start on this alignment inside the pool (the object starts HEADER_SIZE before)
 PAYLOAD_ALIGN = 256
@@ -42,7 +44,7 @@ ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 def object_id(key: bytes, group: int, rank: int, world: int) -> bytes:
-    """The 22-byte id of one stored object: chunk key, KV cache group, TP rank, TP world size."""
+    """The 38-byte id of one stored object: chunk key, KV cache group, TP rank, TP world size."""
     if len(key) != KEY_SIZE:
         raise ValueError(f"chunk key must be {KEY_SIZE} bytes, got {len(key)}")
     if not (0 <= group <= 0xFFFF and 0 <= rank < world <= 0xFFFF):
@@ -119,15 +121,19 @@ class HelloRep(msgspec.Struct, frozen=True):
 
 
 class LookupReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    keys: bytes            # n * 16 bytes, chunk keys in prefix order
-    groups: Count          # objects (g, r) for g < groups, r < ranks must all be present
+    keys: bytes            # n * 32 bytes, chunk keys in prefix order
+    #: per KV cache group g (objects (g, r) for every r < ranks): what a hit needs, as
+    #: (chunk.rules.Need, window chunks) -- a prefix, a window before the hit, or one point
+    needs: Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0, le=2)], U16]],
+                     msgspec.Meta(min_length=1, max_length=0xFFFF)]
     ranks: Count
     world: Count
+    first: Annotated[int, msgspec.Meta(ge=0)] = 0  # chunks the client already holds
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0  # budget for L2 -> L1 promotion
 
 
 class LookupRep(msgspec.Struct, frozen=True):
-    hits: int              # leading chunk positions present and pinned
+    hits: int              # the hit ends at this chunk (0: no hit); its objects are pinned
     lease: int             # 0 when hits == 0
     pinned_bytes: int      # bytes of every object the lease pins (the planned transfer)
     l2_promoted: int       # objects brought from L2 into L1 for this lookup
@@ -159,7 +165,7 @@ class ReleaseRep(msgspec.Struct, frozen=True):
 
 
 class ReserveReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    ids: bytes             # n * 22 bytes
+    ids: bytes             # n * 38 bytes
     sizes: list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
@@ -172,7 +178,7 @@ class ReserveRep(msgspec.Struct, frozen=True):
 
 
 class IdsReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    ids: bytes             # n * 22 bytes
+    ids: bytes             # n * 38 bytes
 
 
 COMMIT_OK = 0
@@ -186,6 +192,10 @@ class CommitRep(msgspec.Struct, frozen=True):
 
 class AbortRep(msgspec.Struct, frozen=True):
     aborted: int
+
+
+class DropRep(msgspec.Struct, frozen=True):
+    dropped: int
 
 
 class StatsRep(msgspec.Struct, frozen=True):
@@ -202,6 +212,7 @@ OPS: dict[str, tuple[type, type]] = {
     "reserve": (ReserveReq, ReserveRep),
     "commit": (IdsReq, CommitRep),
     "abort": (IdsReq, AbortRep),
+    "drop": (IdsReq, DropRep),     # objects the client found corrupt: gone from L1 and L2
     "stats": (Empty, StatsRep),
 }
 

@@ -16,51 +16,34 @@ bytes) all pin.  Evictable objects sit in ``lru``; pinned ones do not.  An
 object dropped while pinned (``doomed``) leaves the index at once and frees
 its memory when the last pin goes.
 
-A lookup counts the leading chunk positions whose every (group, rank) object
-is READY and pins exactly those objects under a lease; a resolve returns
-exactly objects of that lease.  The reported hit is a pure function of the
-keys the client sent: the server never extends it, never counts a position
-with a missing or uncommitted object, and never counts past the keys sent.
+Lookups, leases and resolves are in :mod:`.leases`.  An object a client found
+corrupt is dropped from L1 and L2 at once (``drop``).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, HeaderError, header_object_id, parse_header
 from vllm_kvplugin.server.config import ServerConfig
 from vllm_kvplugin.server.l2 import Job, L2Dir, L2Workers
-from vllm_kvplugin.server.pool import OBJECT_SHIFT, Allocator, block_size_for
+from vllm_kvplugin.server.leases import Lease, LeaseOps, PendingLookup, RequestError
+from vllm_kvplugin.server.objects import L2ONLY, PROMOTING, READY, RESERVED, W_NONE, W_QUEUED, Obj
+from vllm_kvplugin.server.pool import Allocator, block_size_for
 from vllm_kvplugin.server.protocol import (
     COMMIT_BAD_HEADER,
     COMMIT_NOT_RESERVED,
     COMMIT_OK,
-    E_INTERNAL,
     E_INVALID,
-    E_NOT_LEASED,
-    E_UNKNOWN_LEASE,
-    KEY_SIZE,
     OBJECT_ID_SIZE,
     RESERVE_EXISTS,
     RESERVE_NO_ROOM,
-    LookupRep,
-    ReleaseRep,
-    oid_suffix,
     split_object_id,
 )
 
 logger = logging.getLogger(__name__)
-
-RESERVED, READY, PROMOTING, L2ONLY = 0, 1, 2, 3
-#: a lookup names at most this many objects per chunk position (groups x ranks) ...
-MAX_OBJECTS_PER_POSITION = 4096
-#: ... and at most this many in all
-MAX_LOOKUP_OBJECTS = 1 << 23
-W_NONE, W_QUEUED, W_WRITING = 0, 1, 2
-
 
 #: counters that always appear in ``stats`` (zero until they happen)
 COUNTERS = (
@@ -74,37 +57,8 @@ COUNTERS = (
     "reservations_reclaimed", "reservations_timed_out", "l2_writes", "l2_write_bytes",
     "l2_write_errors", "l2_reads_started", "l2_promoted_objects", "l2_promoted_bytes",
     "l2_promote_failures", "l2_corrupt_files", "l2_evictions", "l2_reindexed_objects",
+    "dropped_reported_corrupt",
 )
-
-
-class RequestError(Exception):
-    """An error reply: ``code`` is one of the protocol's E_* codes."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-class Obj:
-    __slots__ = ("oid", "nbytes", "state", "block", "bsize", "pins", "owner", "deadline",
-                 "in_l2", "wstate", "doomed")
-
-    def __init__(self, oid: bytes, nbytes: int, state: int):
-        self.oid = oid
-        self.nbytes = nbytes
-        self.state = state
-        self.block = -1
-        self.bsize = 0
-        self.pins = 0
-        self.owner: Session | None = None
-        self.deadline = 0.0
-        self.in_l2 = False
-        self.wstate = W_NONE
-        self.doomed = False
-
-    @property
-    def offset(self) -> int:
-        return self.block + OBJECT_SHIFT
 
 
 @dataclass(eq=False)
@@ -117,41 +71,7 @@ class Session:
     leases: set = field(default_factory=set)       # lease ids we created
 
 
-@dataclass(eq=False)
-class Lease:
-    lid: int
-    owner: Session
-    world: int
-    groups: int
-    ranks: int
-    key_blob: bytes                   # the keys of the hit, in prefix order
-    pinned: list                      # Obj per (position, group, rank): pinned[p * groups*ranks + g*ranks + r]
-    deadline: float
-    pinned_bytes: int = 0
-    resolved_objects: int = 0
-    resolved_bytes: int = 0
-    key_index: dict | None = None     # key -> first position, built on a non-contiguous resolve
-
-
-@dataclass(eq=False)
-class PendingLookup:
-    """A lookup waiting for L2 -> L1 promotions (or its time budget)."""
-
-    ident: bytes
-    req_id: int
-    reply_frames: list
-    session: Session
-    world: int
-    groups: int
-    ranks: int
-    keys: bytes
-    flat: list                        # Obj per (position, group, rank), each pinned once
-    waiting: set                      # oids still PROMOTING
-    deadline: float
-    promoted: int = 0
-
-
-class Store:
+class Store(LeaseOps):
     def __init__(self, cfg: ServerConfig, pool_view: memoryview, wake_fd: int):
         self.cfg = cfg
         self.pool = pool_view
@@ -344,118 +264,6 @@ class Store:
             e.block, e.bsize = -1, 0
             self.stats["reservations_reclaimed"] += 1
 
-    # ------------------------------------------------------------------ lookups
-    def lookup(self, s: Session, keys: bytes, groups: int, ranks: int, world: int, wait_s: float,
-               ident: bytes, req_id: int, reply_frames: list, now: float) -> LookupRep | PendingLookup:
-        if len(keys) % KEY_SIZE:
-            raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
-        if ranks > world:
-            raise RequestError(E_INVALID, f"ranks {ranks} > world {world}")
-        per = groups * ranks
-        if per > MAX_OBJECTS_PER_POSITION or per * (len(keys) // KEY_SIZE) > MAX_LOOKUP_OBJECTS:
-            raise RequestError(E_INVALID, f"lookup of {len(keys) // KEY_SIZE} chunks x {groups} groups x "
-                                          f"{ranks} ranks exceeds the limits ({MAX_OBJECTS_PER_POSITION} "
-                                          f"objects per chunk, {MAX_LOOKUP_OBJECTS} per lookup)")
-        self.stats["lookups"] += 1
-        self.stats["lookup_chunks"] += len(keys) // KEY_SIZE
-        suffixes = [oid_suffix(g, r, world) for g in range(groups) for r in range(ranks)]
-        get = self.objs.get
-        flat: list[Obj] = []
-        promote = False
-        for i in range(0, len(keys), KEY_SIZE):
-            key = keys[i:i + KEY_SIZE]
-            start = len(flat)
-            for sfx in suffixes:
-                e = get(key + sfx)
-                if e is None or e.state == RESERVED or e.doomed:
-                    del flat[start:]  # this position is incomplete: the hit ends before it
-                    break
-                if e.state != READY:
-                    promote = True
-                flat.append(e)
-            else:
-                continue
-            break
-        # pin first (so that making room below cannot evict what this lookup found)
-        lru_pop = self.lru.pop
-        for e in flat:
-            e.pins += 1
-            if e.pins == 1:
-                lru_pop(e.oid, None)
-        p = PendingLookup(ident, req_id, reply_frames, s, world, groups, ranks, keys, flat, set(),
-                          now + wait_s)
-        if not promote:
-            return self._make_lease(p, now, all_ready=True)
-        # bring L2-only objects into L1, in prefix order; the hit ends at the first without room
-        started: list[Obj] = []
-        cut = len(flat)
-        for j, e in enumerate(flat):
-            if e.state != L2ONLY:
-                continue
-            bsize = block_size_for(e.nbytes)
-            off = self._alloc(bsize)
-            if off is None:
-                cut = j - j % per
-                break
-            e.block, e.bsize, e.state = off, bsize, PROMOTING
-            started.append(e)
-        for e in reversed(flat[cut:]):
-            self._unpin(e)
-        del flat[cut:]
-        p.waiting = {e.oid for e in flat if e.state == PROMOTING}
-        for e in started:
-            assert self.workers is not None
-            self.workers.reads.put(Job("read", e.oid, e.offset, e.nbytes, e))
-            self.stats["l2_reads_started"] += 1
-        if not p.waiting:
-            return self._make_lease(p, now)
-        self.pending.append(p)
-        return p
-
-    def _make_lease(self, p: PendingLookup, now: float, all_ready: bool = False) -> LookupRep:
-        per = p.groups * p.ranks
-        flat = p.flat
-        if all_ready:
-            hits = len(flat) // per
-        else:
-            bad = next((j for j, e in enumerate(flat) if e.state != READY or e.doomed), len(flat))
-            hits = bad // per
-            for e in reversed(flat[hits * per:]):  # not part of the hit: unpin, tail first
-                self._unpin(e)
-            del flat[hits * per:]
-        self.stats["lookup_hit_chunks"] += hits
-        if hits == 0:
-            return LookupRep(0, 0, 0, p.promoted)
-        lid = secrets.randbits(63) or 1
-        while lid in self.leases:
-            lid = secrets.randbits(63) or 1
-        nbytes = 0
-        for e in flat:
-            nbytes += e.nbytes
-        lease = Lease(lid, p.session, p.world, p.groups, p.ranks, p.keys[:hits * KEY_SIZE], flat,
-                      now + self.cfg.lease_s, pinned_bytes=nbytes)
-        self.leases[lid] = lease
-        p.session.leases.add(lid)
-        self.stats["leases_created"] += 1
-        self.stats["lookup_hit_objects"] += len(flat)
-        l2_hits = min(p.promoted, len(flat))
-        self.stats["l2_hit_objects"] += l2_hits
-        self.stats["l1_hit_objects"] += len(flat) - l2_hits
-        return LookupRep(hits, lid, nbytes, p.promoted)
-
-    def _finish_pending(self, p: PendingLookup) -> LookupRep:
-        self.pending.remove(p)
-        if p.waiting:
-            self.stats["lookup_promotion_timeouts"] += 1
-        return self._make_lease(p, self.now)
-
-    def poll_pending(self, now: float) -> list[tuple[PendingLookup, LookupRep]]:
-        done = []
-        for p in list(self.pending):
-            if not p.waiting or now >= p.deadline or p.session.ident not in self.sessions:
-                done.append((p, self._finish_pending(p)))
-        return done
-
     # ------------------------------------------------------------------ L2 completions
     def process_l2(self) -> None:
         if self.workers is None:
@@ -522,82 +330,6 @@ class Store:
                 p.waiting.discard(e.oid)
                 if err is None:
                     p.promoted += 1
-
-    # ------------------------------------------------------------------ resolve / release
-    def resolve(self, lid: int, keys: bytes, group: int, rank: int, world: int,
-                now: float) -> tuple[list[int], list[int]]:
-        lease = self.leases.get(lid)
-        if lease is None:
-            raise RequestError(E_UNKNOWN_LEASE, f"lease {lid} is unknown (released, expired, or "
-                                                "from an earlier server)")
-        if len(keys) % KEY_SIZE:
-            raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
-        if world != lease.world or group >= lease.groups or rank >= lease.ranks:
-            self.stats["resolve_not_leased"] += 1
-            raise RequestError(E_NOT_LEASED, f"lease {lid} pins groups < {lease.groups}, ranks < "
-                                             f"{lease.ranks} of world {lease.world}; asked for group "
-                                             f"{group} rank {rank} of world {world}")
-        n = len(keys) // KEY_SIZE
-        per = lease.groups * lease.ranks
-        col = group * lease.ranks + rank
-        blob = lease.key_blob
-        start = blob.find(keys) if n else 0
-        while start > 0 and start % KEY_SIZE:  # only whole-key alignments count
-            start = blob.find(keys, start + 1)
-        if start >= 0:  # a contiguous run of the hit (the usual case): positions by arithmetic
-            first = start // KEY_SIZE
-            positions = range(first, first + n)
-        else:
-            if lease.key_index is None:
-                lease.key_index = {}
-                for j in range(len(blob) // KEY_SIZE - 1, -1, -1):
-                    lease.key_index[blob[j * KEY_SIZE:(j + 1) * KEY_SIZE]] = j
-            positions = []
-            for i in range(n):
-                j = lease.key_index.get(keys[i * KEY_SIZE:(i + 1) * KEY_SIZE])
-                if j is None:
-                    self.stats["resolve_not_leased"] += 1
-                    raise RequestError(E_NOT_LEASED, f"key #{i} ({keys[i * KEY_SIZE:(i + 1) * KEY_SIZE].hex()}) "
-                                                     f"is not pinned by lease {lid}")
-                positions.append(j)
-        sfx = oid_suffix(group, rank, world)
-        offsets, sizes = [], []
-        pinned = lease.pinned
-        for i, j in enumerate(positions):
-            e = pinned[j * per + col]
-            if e.oid != keys[i * KEY_SIZE:(i + 1) * KEY_SIZE] + sfx:  # cannot happen: fail closed
-                raise RequestError(E_INTERNAL, f"lease {lid} position {j} holds {e.oid.hex()}")
-            offsets.append(e.offset)
-            sizes.append(e.nbytes)
-        total = sum(sizes)
-        lease.resolved_objects += len(sizes)
-        lease.resolved_bytes += total
-        lease.deadline = now + self.cfg.lease_s
-        self.stats["resolves"] += 1
-        self.stats["resolved_objects"] += len(sizes)
-        self.stats["resolved_bytes"] += total
-        return offsets, sizes
-
-    def release(self, lid: int, expired: bool = False) -> ReleaseRep:
-        lease = self.leases.pop(lid, None)
-        if lease is None:
-            return ReleaseRep(False)
-        lease.owner.leases.discard(lid)
-        lru, objs = self.lru, self.objs
-        for e in reversed(lease.pinned):  # tail first: the prefix's head becomes the most recent
-            e.pins -= 1
-            if e.pins == 0:
-                if e.doomed:
-                    self._maybe_free(e)
-                elif e.state == READY and objs.get(e.oid) is e:
-                    lru[e.oid] = e
-        self.stats["leases_expired" if expired else "leases_released"] += 1
-        self.stats["lease_pinned_bytes"] += lease.pinned_bytes
-        self.stats["lease_resolved_bytes"] += lease.resolved_bytes
-        if lease.resolved_bytes != lease.pinned_bytes:
-            self.stats["leases_partially_served"] += 1
-        return ReleaseRep(True, len(lease.pinned), lease.pinned_bytes, lease.resolved_objects,
-                          lease.resolved_bytes)
 
     # ------------------------------------------------------------------ stores
     def reserve(self, s: Session, ids: bytes, sizes: list[int], now: float) -> list[int]:

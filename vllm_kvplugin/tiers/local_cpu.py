@@ -1,9 +1,12 @@
 """The in-process CPU tier: a scheduler-side index and a worker-side slot pool.
 
-The budget ``cpu_bytes`` is cut into slots of one chunk position (every group's
-chunk for one prefix key).  The scheduler owns the index (key -> slot, LRU,
-pins) and decides every store and eviction, so all ranks of an engine hold
-the same slot numbering; each worker owns the bytes of its slots.  A chunk is
+Each KV cache group has its own slots (one object of that group each) and its
+own index: a chunk position may be present for one group and not another (a
+recurrent group keeps state checkpoints only where vLLM materialised them).
+The budget ``cpu_bytes`` gives every group the same number of slots
+(:func:`slots_for_budget`).  The scheduler owns the indexes (key -> slot, LRU,
+pins) and decides every store and eviction, so all ranks of an engine hold the
+same slot numbering; each worker owns the bytes of its slots.  An object is
 stored once however many requests share it.
 
 Slot lifecycle (scheduler side)::
@@ -52,15 +55,10 @@ class LocalIndex:
         self._lru: OrderedDict[int, None] = OrderedDict()  # READY slots, oldest first
 
     # --- lookups -----------------------------------------------------------
-    def prefix_hits(self, keys: Sequence[bytes]) -> int:
-        """Leading keys whose chunk is READY (stored by every rank)."""
-        n = 0
-        for k in keys:
-            s = self._by_key.get(k)
-            if s is None or self._slots[s].state is not SlotState.READY or self._slots[s].doomed:
-                break
-            n += 1
-        return n
+    def ready(self, key: bytes) -> bool:
+        """The object is stored by every rank and not doomed."""
+        s = self._by_key.get(key)
+        return s is not None and self._slots[s].state is SlotState.READY and not self._slots[s].doomed
 
     def contains(self, key: bytes) -> bool:
         return key in self._by_key
@@ -147,14 +145,15 @@ class LocalIndex:
         return self._slots[slot_id].state
 
     def clear(self) -> None:
-        """Forget every unpinned chunk (``reset_cache``)."""
-        for s in list(self._lru):
-            if self._slots[s].pins == 0:
-                self._release(s)
+        """Forget every object (``reset_cache``), also those pinned by a load or still being
+        stored: they can never be found again, and their slots free when the last pin goes."""
+        for s, slot in enumerate(self._slots):
+            if slot.state is not SlotState.FREE:
+                self.drop(s)
 
 
 class LocalPool:
-    """Worker-side bytes of the local CPU tier: per group ``[slots, L, KV, T, H, D]`` plus headers.
+    """Worker-side bytes of the local CPU tier: per group ``[slots, *object shape]`` plus headers.
 
     Pages are touched lazily (``torch.empty``); on CUDA machines the pool is
     page-locked so copies to and from the GPU run at DMA speed.
@@ -170,7 +169,7 @@ class LocalPool:
         self.headers: list[list[bytes | None]] = [[None] * num_slots for _ in chunk_shapes]
 
     def payload(self, group: int, slot: int) -> torch.Tensor:
-        """The slot's chunk as ``[1, L, KV, T, H, D]`` (what the ops take)."""
+        """The slot's object as ``[1, *object shape]`` (attention: ``[1, L, KV, T, H, D]``)."""
         return self.payloads[group][slot:slot + 1]
 
     def set_header(self, group: int, slot: int, header: bytes | None) -> None:
@@ -181,5 +180,7 @@ class LocalPool:
         return self.headers[group][slot]
 
 
-def slots_for_budget(cpu_bytes: int, slot_bytes: int) -> int:
-    return 0 if slot_bytes <= 0 else cpu_bytes // slot_bytes
+def slots_for_budget(cpu_bytes: int, object_bytes: Sequence[int]) -> int:
+    """Slots per group: every group gets as many as the budget holds objects of all groups."""
+    total = sum(object_bytes)
+    return 0 if total <= 0 else cpu_bytes // total

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_kvplugin.chunk.format import HEADER_SIZE
+from vllm_kvplugin.chunk.rules import GroupNeed
 from vllm_kvplugin.config import KVPluginConfig
 
 logger = logging.getLogger(__name__)
@@ -75,17 +76,24 @@ class Lookup:
 class ServerIndex:
     """Scheduler-side lookups on the server (one client per engine core)."""
 
-    def __init__(self, cfg: KVPluginConfig, groups: int, world: int, name: str):
-        self.groups, self.world = groups, world
+    def __init__(self, cfg: KVPluginConfig, needs: Sequence[GroupNeed], world: int, name: str):
+        self.needs = [(int(n.need), n.window) for n in needs]
+        self.world = world
         self._client = _client(cfg, name)
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup:
-        """Leading chunks present on the server for every group and rank, pinned under a lease."""
-        if not keys:
+    def lookup(self, keys: Sequence[bytes], first: int) -> Lookup:
+        """The largest hit every group can restore from the server (every rank's objects), past
+        chunk ``first``; the objects it needs are pinned under a lease."""
+        if len(keys) <= first:
             return Lookup(0, 0, 0)
-        r = _call_fresh(self._client, self._client.lookup_detail, list(keys), self.groups, self.world,
-                        self.world)
+        r = _call_fresh(self._client, self._client.lookup_detail, list(keys), self.needs, self.world,
+                        self.world, first)
         return Lookup(r.hits, r.lease, r.pinned_bytes)
+
+    @property
+    def lease_s(self) -> float:
+        """How long the server keeps a lease after its last lookup or resolve (0: not connected)."""
+        return self._client.lease_s
 
     def release(self, lease: int) -> tuple[int, int]:
         """Unpin; (pinned bytes, bytes the workers resolved) of the lease."""
@@ -155,7 +163,9 @@ class ServerStore:
         return object_id(key, group, self.rank, self.world)
 
     def resolve(self, lease: int, keys: Sequence[bytes], group: int) -> list[tuple[int, int]]:
-        return _call(self._client.resolve, lease, list(keys), group, self.rank, self.world)
+        """Offsets of leased objects; safe to retry on a restarted server (it checks the lease:
+        one of an earlier instance is unknown there), and the views are then made of the new pool."""
+        return _call_fresh(self._client, self._client.resolve, lease, list(keys), group, self.rank, self.world)
 
     def views(self, offset: int, nbytes: int):
         """(header bytes view, payload uint8 tensor) of an object in the pool."""
@@ -172,6 +182,13 @@ class ServerStore:
 
     def commit(self, oids: Sequence[bytes]) -> list[bool]:
         return _call(self._client.commit, list(oids))
+
+    def drop(self, oids: Sequence[bytes]) -> None:
+        """Objects that failed verification: the server forgets them (best effort)."""
+        try:
+            _call(self._client.drop, list(oids))
+        except TierTrouble as e:
+            logger.warning("vllm-kvplugin: could not report %d corrupt objects (%s)", len(oids), e)
 
     def abort(self, oids: Sequence[bytes]) -> None:
         try:

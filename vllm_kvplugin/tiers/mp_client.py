@@ -13,9 +13,9 @@ Store::
 
 Load::
 
-    hits, lease = c.lookup(keys, groups, ranks, world)            # pins the hit under a lease
-    for off, n in c.resolve(lease, keys[:hits], group, rank, world): ... copy out, check header ...
-    c.release(lease)                                              # planned vs served bytes
+    r = c.lookup_detail(keys, needs, ranks, world)               # pins the hit under a lease
+    for off, n in c.resolve(r.lease, keys[:r.hits], group, rank, world): ... copy out, check header ...
+    c.release(r.lease)                                            # planned vs served bytes
 
 Every call is bounded by ``timeout_s``; a dead, hung or restarted server makes
 the call raise :class:`TierUnavailable` and the next call reconnects (new
@@ -81,7 +81,7 @@ class ServerError(Exception):
 
 @dataclass(frozen=True)
 class LookupResult:
-    hits: int            # leading chunk positions present (every group/rank object) and pinned
+    hits: int            # the hit ends at this chunk; the objects it needs are pinned
     lease: int           # 0 when hits == 0
     pinned_bytes: int    # bytes of the pinned objects (all groups and ranks of the hit)
     l2_promoted: int     # objects read from L2 into L1 for this lookup
@@ -386,6 +386,12 @@ class MPClient:
         return self._generation
 
     @property
+    def lease_s(self) -> float:
+        """The connected server's lease time (0 when not connected); no I/O."""
+        hello = self._hello
+        return float(hello.lease_s) if hello is not None else 0.0
+
+    @property
     def pool_size(self) -> int:
         self._ensure()
         assert self._mmap is not None
@@ -398,21 +404,25 @@ class MPClient:
         The hit is pinned under the lease until :meth:`release` or the server's lease time
         after the last lookup/resolve on it; 0 hits -> lease 0 (nothing to release).
         """
-        r = self.lookup_detail(keys, groups, ranks, world)
+        r = self.lookup_detail(keys, [(0, 0)] * groups, ranks, world)
         return r.hits, r.lease
 
-    def lookup_detail(self, keys: Sequence[bytes], groups: int = 1, ranks: int = 1, world: int = 1,
-                      wait_s: float | None = None) -> LookupResult:
+    def lookup_detail(self, keys: Sequence[bytes], needs: Sequence[tuple[int, int]], ranks: int = 1,
+                      world: int = 1, first: int = 0, wait_s: float | None = None) -> LookupResult:
+        """The largest hit (in chunks) every group can restore from objects of ranks ``< ranks``,
+        per group's need ``(chunk.rules.Need, window chunks)``, not counting chunks below
+        ``first``; the objects that hit needs are pinned under the returned lease."""
         if not keys:
             return LookupResult(0, 0, 0, 0)
         blob = _key_blob(keys)
-        if not (1 <= ranks <= world <= 0xFFFF and 1 <= groups <= 0xFFFF):
-            raise ValueError(f"bad lookup shape groups={groups} ranks={ranks} world={world}")
+        if not (1 <= ranks <= world <= 0xFFFF and 1 <= len(needs) <= 0xFFFF):
+            raise ValueError(f"bad lookup shape groups={len(needs)} ranks={ranks} world={world}")
         wait = self.lookup_wait_s if wait_s is None else wait_s
-        rep = self._call("lookup", P.LookupReq(blob, groups, ranks, world, int(wait * 1000)))
-        if not (0 <= rep.hits <= len(keys)) or (rep.hits > 0) != (rep.lease != 0):
-            raise ServerError(P.E_INTERNAL, f"impossible lookup reply: {rep.hits} hits of "
-                                            f"{len(keys)} keys, lease {rep.lease}")
+        rep = self._call("lookup", P.LookupReq(blob, [(int(n), int(w)) for n, w in needs], ranks, world,
+                                               int(first), int(wait * 1000)))
+        if not (0 <= rep.hits <= len(keys)) or (rep.hits > 0) != (rep.lease != 0) or 0 < rep.hits <= first:
+            raise ServerError(P.E_INTERNAL, f"impossible lookup reply: hit {rep.hits} of "
+                                            f"{len(keys)} keys from chunk {first}, lease {rep.lease}")
         return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted)
 
     def resolve(self, lease_id: int, keys: Sequence[bytes], group: int, rank: int,
@@ -467,6 +477,12 @@ class MPClient:
         if not object_ids:
             return 0
         return self._call("abort", P.IdsReq(_id_blob(object_ids))).aborted
+
+    def drop(self, object_ids: Sequence[bytes]) -> int:
+        """Report objects that failed verification: the server drops them (L1 and L2)."""
+        if not object_ids:
+            return 0
+        return self._call("drop", P.IdsReq(_id_blob(object_ids))).dropped
 
     def heartbeat(self) -> None:
         self._call("heartbeat", P.Empty())

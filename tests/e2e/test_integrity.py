@@ -1,0 +1,126 @@
+"""Provenance (DESIGN.md rule 7): nothing computed over a failed load is stored or served.
+
+The integrity issue's repro, on real engines, through the in-process tier and a real
+cache server: a prompt P (8 chunks + 10) is stored; the bytes of one of its middle
+chunks are wrong for the duration of one load only (as after a failed read); P
+extended by two chunks is generated; then both prompts three more times, every KV
+block overwritten with noise first.  Every output must equal an engine without the
+connector's; only the verified prefix counts as a hit; the bad object is dropped at
+its first failure; and a reset makes everything stored before unloadable.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from harness import Probe, engine, generate, prompt, shutdown
+from test_cache_hits import _baseline
+from test_server_tier import server, workdir  # noqa: F401  (fixtures)
+
+import vllm_kvplugin
+from vllm_kvplugin import counters
+from vllm_kvplugin.chunk.format import HEADER_SIZE
+from vllm_kvplugin.chunk.keys import chunk_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from srvutil import wait_for  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+CHUNK, BLOCK = 64, 32
+P = prompt(8 * CHUNK + 10, seed=31)
+P2 = P + prompt(2 * CHUNK + 5, seed=32)
+BAD = 3  # the chunk whose bytes are wrong during one load
+
+
+def _local_flip(probe, tokens):
+    """A function flipping one byte of chunk BAD's object in the local tier (twice: restored)."""
+    import torch
+
+    from vllm_kvplugin.chunk.format import ChunkHeader
+
+    ws = probe.worker
+    key = chunk_keys(ws.fingerprint, tokens, CHUNK)[BAD]
+    slot = next(s for s, h in enumerate(ws.pool.headers[0]) if h is not None and ChunkHeader.unpack(h).key == key)
+
+    def flip():
+        ws.pool.payloads[0][slot].view(-1).view(torch.uint8)[4321] ^= 0x40
+    return flip, slot
+
+
+def _server_flip(probe, tokens, address):
+    """The same on the cache server: the object's bytes in the server's shared pool."""
+    from vllm_kvplugin.tiers.mp_client import MPClient
+
+    key = chunk_keys(probe.worker.fingerprint, tokens, CHUNK)[BAD]
+    c = MPClient(address, client_name="test-flip")
+    r = c.lookup_detail([key], [(2, 0)])  # a point lookup: just this object
+    assert r.hits == 1
+    (off, n), = c.resolve(r.lease, [key], 0, 0, 1)
+    c.release(r.lease)
+    view = c.pool_view()
+
+    def flip():
+        view[off + HEADER_SIZE + 4321] ^= 0x40
+    return flip, c
+
+
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_transient_fault_poisons_nothing(qwen3_model, tier, request):
+    want_p, want_p2 = _baseline(qwen3_model, BLOCK, [[P], [P2]], budget=CHUNK)
+    cfg = {"chunk_size": CHUNK}
+    srv = None
+    if tier == "server":
+        srv = request.getfixturevalue("server")
+        cfg.update(cpu_bytes=0, server=srv.address)
+    counters.STATS.reset()
+    from vllm_kvplugin.connector import worker as wmod
+
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, cfg, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want_p
+            flip, handle = _local_flip(probe, P) if tier == "local" else _server_flip(probe, P, srv.address)
+            orig, calls = wmod.WorkerSide.start_load, []
+
+            def start_load_once_wrong(ws, meta):  # wrong bytes during exactly one load
+                calls.append(len(meta.fetches) + len(meta.loads))
+                if len(calls) == 1:
+                    flip()
+                try:
+                    return orig(ws, meta)
+                finally:
+                    if len(calls) == 1:
+                        flip()
+
+            wmod.WorkerSide.start_load = start_load_once_wrong
+            try:
+                probe.poison_all_blocks(seed=1)
+                before = vllm_kvplugin.stats()
+                bad = generate(llm, [P2])[0]
+                after = vllm_kvplugin.stats()
+            finally:
+                wmod.WorkerSide.start_load = orig
+            assert bad.token_ids == want_p2
+            # only the verified prefix was claimed: a failed load is not a hit
+            assert bad.num_cached_tokens == BAD * CHUNK
+            assert after["hit_tokens"] - before["hit_tokens"] == BAD * CHUNK
+            assert after["loaded_tokens"] - before["loaded_tokens"] == BAD * CHUNK
+            assert after["load_failures"] == {"checksum": 1}
+            # the object that failed is gone from its tier at once (then stored again, recomputed)
+            if tier == "local":
+                assert after["dropped_objects"] == 1
+            else:
+                assert wait_for(lambda: handle.stats()["dropped_reported_corrupt"] == 1)
+            for i in range(3):  # everything stored since is right: poisoned KV, full hits, right output
+                for p, want in ((P2, want_p2), (P, want_p)):
+                    probe.poison_all_blocks(seed=10 + i)
+                    r = generate(llm, [p])[0]
+                    assert r.token_ids == want, f"run {i}, {len(p)} tokens: a wrong chunk was stored"
+                    assert r.num_cached_tokens == (len(p) - 1) // CHUNK * CHUNK
+            assert vllm_kvplugin.stats()["load_failures"] == {"checksum": 1}
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)

@@ -1,0 +1,126 @@
+"""What a KV cache group *is*: its kind and what one chunk of it holds.
+
+An adapter turns each of vLLM's ``KVCacheGroupSpec`` into a :class:`GroupSpec`
+(no tensors: both connector roles build it from the ``KVCacheConfig``).  The
+kind decides everything downstream, in one place:
+
+* ``ATTENTION`` / ``MLA``: a chunk object holds every token of its chunk; a hit
+  restores every chunk from vLLM's own hit on (:data:`~vllm_kvplugin.chunk.rules.Need.PREFIX`).
+* ``WINDOW`` (sliding window ``w``): the first token after a hit attends to the
+  ``w - 1`` tokens before it (plus any extra tokens vLLM retains), i.e. to
+  ``window_tail`` tokens rounded up to whole blocks.  A chunk object holds only
+  that tail of its chunk (the rest is out of every later window, and vLLM frees
+  those blocks while the chunk is still being computed); a hit restores the
+  objects of the last ``ceil(tail / C)`` chunks before it (``Need.WINDOW``).
+* ``RECURRENT`` (Mamba, GatedDeltaNet): a chunk object is the state checkpoint
+  after the chunk's last token, every layer's state tensors as raw bytes; a hit
+  restores exactly one, the checkpoint at the hit (``Need.POINT``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvplugin.chunk.format import layers_digest, state_spec
+from vllm_kvplugin.chunk.rules import GroupNeed, Need
+from vllm_kvplugin.layout.descriptor import GroupKind
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of one recurrent layer for one block (e.g. conv or SSM state)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV cache group as the plugin stores it (both roles; no tensors)."""
+
+    index: int
+    kind: GroupKind
+    spec_name: str  # vLLM's spec class, for messages
+    block_size: int
+    layer_names: tuple[str, ...]
+    num_kv_heads: int = 0
+    head_size: int = 0
+    dtype: torch.dtype = torch.uint8
+    window: int = 0  # WINDOW: tokens before a token that its attention still sees
+    state: tuple[StateTensor, ...] = ()  # RECURRENT: one layer's state tensors
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def num_kv(self) -> int:
+        return 1 if self.kind is GroupKind.MLA else 2
+
+    @property
+    def num_heads(self) -> int:
+        return 1 if self.kind is GroupKind.MLA else self.num_kv_heads
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies in a chunk object (0 for recurrent groups)."""
+        if self.kind is GroupKind.RECURRENT:
+            return 0
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv * self.num_heads * self.head_size * esize
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state checkpoint (every layer of the group)."""
+        return self.num_layers * sum(t.nbytes for t in self.state)
+
+    @property
+    def window_tail(self) -> int:
+        """WINDOW: the tokens before a hit that its next token attends to, in whole blocks."""
+        return -(-self.window // self.block_size) * self.block_size
+
+    def stored_tokens(self, chunk_size: int) -> int:
+        """Tokens one chunk object holds: its chunk's last ``stored_tokens`` (0: a state)."""
+        if self.kind is GroupKind.RECURRENT:
+            return 0
+        if self.kind is GroupKind.WINDOW:
+            return min(chunk_size, self.window_tail)
+        return chunk_size
+
+    def object_bytes(self, chunk_size: int) -> int:
+        """Payload bytes of one chunk object of this group."""
+        if self.kind is GroupKind.RECURRENT:
+            return self.state_bytes
+        return self.stored_tokens(chunk_size) * self.bytes_per_token
+
+    def need(self, chunk_size: int) -> GroupNeed:
+        if self.kind is GroupKind.RECURRENT:
+            return GroupNeed(Need.POINT)
+        if self.kind is GroupKind.WINDOW:
+            return GroupNeed(Need.WINDOW, window=max(1, -(-self.window_tail // chunk_size)))
+        return GroupNeed(Need.PREFIX)
+
+    @property
+    def layers(self) -> bytes:
+        """The chunk header's ``layers`` field."""
+        return layers_digest(self.layer_names)
+
+    @property
+    def spec(self) -> str:
+        """The chunk header's ``spec`` field (recurrent groups: the state tensors)."""
+        if self.kind is not GroupKind.RECURRENT:
+            return ""
+        return state_spec((t.dtype, t.shape) for t in self.state)
+
+    def describe(self) -> str:
+        what = {GroupKind.WINDOW: f", window {self.window}",
+                GroupKind.RECURRENT: f", state {self.spec}"}.get(self.kind, "")
+        return (f"group {self.index} ({self.spec_name}: {self.kind.name.lower()}, "
+                f"{self.num_layers} layers, block {self.block_size}{what})")
