@@ -124,3 +124,44 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request):
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
             shutdown(llm)
+
+
+def test_reset_makes_everything_stored_before_unloadable(qwen3_model, server):  # noqa: F811
+    """reset_prefix_cache(reset_connector=True): nothing stored before -- in the local tier or
+    on the server (and its L2) -- is loaded again; what is stored afterwards is."""
+    want_p, = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "server": server.address}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want_p
+            probe.poison_all_blocks(seed=1)
+            assert generate(llm, [P])[0].num_cached_tokens == 8 * CHUNK  # stored, both tiers
+            assert llm.reset_prefix_cache(reset_connector=True)
+            probe.poison_all_blocks(seed=2)
+            before = vllm_kvplugin.stats()
+            r = generate(llm, [P])[0]
+            assert r.token_ids == want_p and r.num_cached_tokens == 0
+            assert vllm_kvplugin.stats()["loaded_tokens"] == before["loaded_tokens"]
+            probe.poison_all_blocks(seed=3)
+            again = generate(llm, [P])[0]  # stored again after the reset: hits
+            assert again.token_ids == want_p and again.num_cached_tokens == 8 * CHUNK
+        finally:
+            shutdown(llm)
+
+
+def test_prompt_logprobs_never_read_a_cached_prefix(qwen3_model):
+    """A request that must compute its whole prompt (prompt logprobs) gets no hit, on every
+    vLLM version (0.26's scheduler does not zero a connector's hit itself)."""
+    from vllm import SamplingParams
+
+    llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+    try:
+        generate(llm, [P])
+        sp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+        out = llm.generate([{"prompt_token_ids": P}], sp, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        assert len(out.prompt_logprobs) == len(P) and all(lp for lp in out.prompt_logprobs[1:])
+        assert generate(llm, [P])[0].num_cached_tokens == 8 * CHUNK  # others still hit
+    finally:
+        shutdown(llm)

@@ -122,14 +122,20 @@ def test_two_engine_processes_share_the_server(qwen3_model, server):
     assert b["tokens"] == b["baseline"], f"vLLM {b['vllm']} served KV stored by vLLM {a['vllm']} wrongly"
 
 
-@pytest.mark.parametrize("when", ["before-load", "during-load", "during-store"])
+@pytest.mark.parametrize("when", ["before-load", "during-load", "restarted-during-load", "stopped-during-load",
+                                  "during-store"])
 def test_server_killed(qwen3_model, server, when, monkeypatch):
-    """kill -9 the server: the engine recomputes (no hang), keeps serving, and hits again later."""
+    """kill -9 (or restart, or SIGSTOP) the server: the engine recomputes (no hang), keeps
+    serving, stores nothing computed over a load that did not happen, and hits again later.
+    "during-load": between the scheduler's lookup and the workers' fetch of the hit."""
+    import signal
+
     from vllm_kvplugin.tiers import mp
 
     p = prompt(12 * CHUNK + 5, seed=500)
+    p2 = p + prompt(2 * CHUNK + 3, seed=502)
     q = prompt(9 * CHUNK + 3, seed=501)
-    want_p, want_q = _baseline(qwen3_model, 32, [[p], [q]], budget=CHUNK)
+    want_p, want_p2, want_q = _baseline(qwen3_model, 32, [[p], [p2], [q]], budget=CHUNK)
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address,
@@ -158,28 +164,42 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                 else:
                     orig = mp.ServerIndex.lookup
 
-                    def lookup_then_die(self, keys, first):
+                    def lookup_then_fault(self, keys, first):
                         found = orig(self, keys, first)
                         if found.hits:
-                            server.kill9()
+                            monkeypatch.undo()
+                            if when == "stopped-during-load":
+                                server.proc.send_signal(signal.SIGSTOP)
+                            else:
+                                server.kill9()
+                                if when == "restarted-during-load":
+                                    server.start()
                         return found
 
-                    monkeypatch.setattr(mp.ServerIndex, "lookup", lookup_then_die)
+                    monkeypatch.setattr(mp.ServerIndex, "lookup", lookup_then_fault)
                 probe.poison_all_blocks()
                 t0 = time.monotonic()
-                warm = generate(llm, [p])[0]
+                warm = generate(llm, [p2])[0]
                 assert time.monotonic() - t0 < 30, "a request waited on a dead server"
                 monkeypatch.undo()
-                assert warm.token_ids == want_p
+                assert warm.token_ids == want_p2 and warm.num_cached_tokens == 0
                 s = vllm_kvplugin.stats()
-                if when == "during-load":
-                    assert s["load_failures"].get("server_unavailable", 0) >= 1
-                else:
+                if when == "before-load":
                     assert s["server_lookup_errors"] >= 1
-                assert generate(llm, [q])[0].token_ids == want_q  # still serving, server down
-                server.start()  # L2 survived: the stored prefix is found again
-                probe.poison_all_blocks()
-                back = generate(llm, [p])[0]
-                assert back.token_ids == want_p and back.num_cached_tokens == 12 * CHUNK
+                else:  # the hit was found, then could not be fetched: never claimed
+                    assert sum(s["load_failures"].values()) >= 1 and s["hit_tokens"] == 0, s
+                if when == "stopped-during-load":
+                    server.proc.send_signal(signal.SIGCONT)
+                    time.sleep(1.5)  # past the clients' back-off after the timeouts (retry_s = 1 s)
+                elif when != "restarted-during-load":
+                    assert generate(llm, [q])[0].token_ids == want_q  # still serving, server down
+                    server.start()  # L2 survived: the stored prefix is found again
+                for i in range(3):  # nothing computed over the failed fetch was stored
+                    for tokens, want in ((p2, want_p2), (p, want_p)):
+                        probe.poison_all_blocks(seed=i + 1)
+                        back = generate(llm, [tokens])[0]
+                        assert back.token_ids == want, (i, len(tokens))
+                        if i:
+                            assert back.num_cached_tokens == (len(tokens) - 1) // CHUNK * CHUNK, (i, len(tokens))
         finally:
             shutdown(llm)

@@ -36,11 +36,14 @@ def _cpu_bind() -> str:
     return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
 
 
-def _run_tp(model: str, server_address: str = "", timeout: int = 1200) -> dict:
+def _run_tp(model: str, server_address: str = "", timeout: int = 1200, lengths=LENGTHS,
+            faults: bool = False) -> dict:
     argv = [sys.executable, str(CHILD), "--model", model, "--chunk", str(CHUNK), "--block", str(BLOCK),
-            "--lengths", *map(str, LENGTHS)]
+            "--lengths", *map(str, lengths)]
     if server_address:
         argv += ["--server", server_address]
+    if faults:
+        argv += ["--faults"]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=_cpu_bind(), TORCHDYNAMO_DISABLE="1")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd="/", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -82,3 +85,28 @@ def test_tp2_through_the_server(qwen3_model, server):  # noqa: F811
     s = res["scheduler"]
     assert s["server_hit_tokens"] == sum(max_loadable_tokens(n, CHUNK) for n in LENGTHS)
     assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
+
+
+def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
+    """Rank 1's object of chunk 3 is corrupt (rank 0's is fine): both ranks claim only the
+    prefix both verified, and the bad object is dropped once.  Then rank 1's store fails
+    while rank 0's succeeds: the slot is freed (not pending forever) and stored again.
+    After each, the prompt and its extension again with every block of both ranks poisoned:
+    right outputs, and full hits again."""
+    p, q = 8 * CHUNK + 10, 6 * CHUNK + 7
+    res = _run_tp(qwen3_model, lengths=[p, p + 2 * CHUNK + 5, q, q + 2 * CHUNK + 5], faults=True)
+    rows = res["rows"]
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    by_tag = {}
+    for r in rows:
+        by_tag.setdefault(r["tag"], []).append(r)
+    load = by_tag["load-fault"][0]
+    assert load["cached"] == 3 * CHUNK  # both ranks claim what both verified
+    assert load["failures"][0] == {} and load["failures"][1] == {"checksum": 1}
+    for i in range(3):
+        assert [r["cached"] for r in by_tag[f"after-load-fault-{i}"]] == [
+            max_loadable_tokens(p + 2 * CHUNK + 5, CHUNK), max_loadable_tokens(p, CHUNK)]
+    assert rows[-1]["failures"][1] == {"checksum": 1}  # dropped at once: never failed again
+    # the store failure: the next request finds the prefix before the failed chunks, stores them
+    # again, and from then on the whole prompt hits
+    assert by_tag["after-store-fault-2"][0]["cached"] == max_loadable_tokens(q + 2 * CHUNK + 5, CHUNK)

@@ -58,6 +58,75 @@ def rank_stats(worker) -> dict:
             "load_failures": s["load_failures"]}
 
 
+BAD = 3  # the chunk whose rank-1 object is corrupt
+
+
+def fingerprint(worker) -> bytes:
+    return _connector_worker().fingerprint
+
+
+def corrupt_rank1_chunk(worker, key: bytes) -> bool:
+    """In a worker process: rank 1 flips a byte of its local tier object holding ``key``."""
+    import torch
+
+    from vllm_kvplugin.chunk.format import ChunkHeader
+
+    ws = _connector_worker()
+    if ws.rank != 1:
+        return False
+    slot = next(s for s, h in enumerate(ws.pool.headers[0]) if h is not None and ChunkHeader.unpack(h).key == key)
+    ws.pool.payloads[0][slot].view(-1).view(torch.uint8)[777] ^= 0x40
+    return True
+
+
+def fail_rank1_next_store(worker) -> bool:
+    """In a worker process: rank 1's next store raises (a copy error), once."""
+    ws = _connector_worker()
+    if ws.rank != 1:
+        return False
+    engine = ws.engine
+    orig = engine.store
+
+    def store_once_failing(*a, **k):
+        engine.store = orig
+        raise RuntimeError("injected store failure on rank 1")
+
+    engine.store = store_once_failing
+    return True
+
+
+def run_faults(llm, prompts, want, chunk: int) -> list[dict]:
+    """One rank failing its load, then one rank failing its store; after each, the prompt
+    and its extension again and again, every block of every rank poisoned first."""
+    from harness import generate
+
+    from vllm_kvplugin.chunk.keys import chunk_keys
+
+    p, p2, q, q2 = prompts
+    rows = []
+
+    def run(tag, tokens, expect, seed):
+        llm.collective_rpc(poison_all_blocks, args=(seed,))
+        r = generate(llm, [tokens])[0]
+        ranks = llm.collective_rpc(rank_stats)
+        rows.append({"tag": tag, "length": len(tokens), "ok": r.token_ids == expect,
+                     "cached": r.num_cached_tokens, "failures": [x["load_failures"] for x in ranks]})
+
+    generate(llm, [p])
+    fp = llm.collective_rpc(fingerprint)[0]
+    assert sum(llm.collective_rpc(corrupt_rank1_chunk, args=(chunk_keys(fp, p, chunk)[BAD],))) == 1
+    run("load-fault", p2, want[1], 1)
+    for i in range(3):
+        run(f"after-load-fault-{i}", p2, want[1], 10 + i)
+        run(f"after-load-fault-{i}", p, want[0], 20 + i)
+    generate(llm, [q])
+    assert sum(llm.collective_rpc(fail_rank1_next_store)) == 1
+    run("store-fault", q2, want[3], 2)  # stores chunks past q: rank 1 fails them, rank 0 does not
+    for i in range(3):
+        run(f"after-store-fault-{i}", q2, want[3], 30 + i)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -65,6 +134,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, required=True)
     ap.add_argument("--lengths", type=int, nargs="+", required=True)
     ap.add_argument("--server", default="")
+    ap.add_argument("--faults", action="store_true", help="lengths are P, P+ext, Q, Q+ext: fault runs")
     args = ap.parse_args()
 
     from harness import engine, generate, shutdown
@@ -73,6 +143,9 @@ def main() -> None:
 
     tp = dict(tensor_parallel_size=2, distributed_executor_backend="mp", budget=args.chunk)
     prompts = [[random.Random(n).randrange(10, 4000) for _ in range(n)] for n in args.lengths]
+    if args.faults:  # P2 and Q2 extend P and Q
+        p, p2, q, q2 = prompts
+        prompts = [p, p + p2[len(p):], q, q + q2[len(q):]]
     base = engine(args.model, args.block, None, **tp)
     try:
         want = [generate(base, [p])[0].token_ids for p in prompts]
@@ -85,7 +158,9 @@ def main() -> None:
     llm = engine(args.model, args.block, cfg, **tp)
     rows = []
     try:
-        for p, expect in zip(prompts, want):
+        if args.faults:
+            rows = run_faults(llm, prompts, want, args.chunk)
+        for p, expect in zip([] if args.faults else prompts, want):
             cold = generate(llm, [p])[0]
             poisoned = llm.collective_rpc(poison_all_blocks, args=(len(p),))
             before = llm.collective_rpc(rank_stats)

@@ -4,6 +4,7 @@ everything that changes KV."""
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 
 import numpy as np
@@ -121,3 +122,66 @@ def test_model_identity_ignores_incidental_config_fields():
     c = model_identity(cfg({"num_key_value_heads": 4}), None)
     assert model_fingerprint(c) != model_fingerprint(a)
     assert model_identity(cfg({}), "shared-name")["model"] == "shared-name"
+
+
+def _vllm_config(model: str, **over):
+    from types import SimpleNamespace
+
+    hf = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4}
+    mc = SimpleNamespace(model=model, revision=None, dtype="torch.bfloat16", quantization=over.get("quantization"),
+                         hf_config=SimpleNamespace(to_dict=lambda: dict(hf, **over.get("hf", {})),
+                                                   num_hidden_layers=4))
+    cc = SimpleNamespace(cache_dtype=over.get("cache_dtype", "auto"),
+                         calculate_kv_scales=over.get("calculate_kv_scales", False))
+    pc = SimpleNamespace(pipeline_parallel_size=over.get("pp", 1), tensor_parallel_size=1)
+    return SimpleNamespace(model_config=mc, cache_config=cc, parallel_config=pc)
+
+
+def test_identity_names_the_weights_dtypes_and_quantization(tmp_path):
+    """A model directory whose weights changed never hits chunks of the old weights; the same
+    files at another path (another machine) keep the identity when model_id names them."""
+    import shutil
+
+    from vllm_kvplugin.adapters._common import model_identity
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    (model / "config.json").write_text("{}")
+    fp = lambda cfg, mid=None: model_fingerprint(model_identity(cfg, mid))  # noqa: E731
+    base = fp(_vllm_config(str(model)))
+    assert fp(_vllm_config(str(model))) == base
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert fp(_vllm_config(str(copy)), "shared") == fp(_vllm_config(str(model)), "shared")
+    data = bytearray((model / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 1  # one byte of a tensor: other weights, same size and name
+    (model / "model.safetensors").write_bytes(bytes(data))
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert fp(_vllm_config(str(model))) != base
+    assert fp(_vllm_config(str(model)), "shared") != fp(_vllm_config(str(copy)), "shared")
+    for change in ({"quantization": "fp8"}, {"cache_dtype": "fp8_e4m3"},
+                   {"hf": {"quantization_config": {"quant_method": "awq", "bits": 4}}}):
+        assert fp(_vllm_config(str(copy), **change)) != fp(_vllm_config(str(copy)))
+
+
+def test_kv_scales_computed_at_run_time_are_refused():
+    from vllm_kvplugin.adapters._common import model_identity
+    from vllm_kvplugin.layout.build import LayoutError
+
+    with pytest.raises(LayoutError, match="calculate_kv_scales"):
+        model_identity(_vllm_config("/m", calculate_kv_scales=True), None)
+
+
+def test_uneven_pipeline_split_is_refused(monkeypatch):
+    from vllm_kvplugin.adapters._common import check_pipeline_split
+    from vllm_kvplugin.layout.build import LayoutError
+
+    check_pipeline_split(_vllm_config("/m", pp=1))
+    check_pipeline_split(_vllm_config("/m", pp=2))  # 4 layers over 2 stages
+    with pytest.raises(LayoutError, match="pipeline parallel size 3"):
+        check_pipeline_split(_vllm_config("/m", pp=3))
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    with pytest.raises(LayoutError, match="VLLM_PP_LAYER_PARTITION=3,1"):
+        check_pipeline_split(_vllm_config("/m", pp=2))

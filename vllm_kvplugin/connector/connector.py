@@ -68,8 +68,9 @@ class KVPluginConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         # every step, before the forward is issued (both runners, every version)
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and self._worker.engine is not None:
-            self._worker.fence()
+        meta = self._bound()
+        if self._worker is not None and self._worker.engine is not None and meta is not None:
+            self._worker.bind(meta)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._bound()

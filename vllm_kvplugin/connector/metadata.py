@@ -96,6 +96,8 @@ class KVPluginMetadata(KVConnectorMetadata):
     #: bumped by the scheduler each time it learns of a failed load; a worker drops the
     #: stores of metadata older than its last failure (computed over blocks it never wrote)
     epoch: int = 0
+    #: the model fingerprint (computed once, by the scheduler: it hashes the weights)
+    fingerprint: bytes = b""
 
 
 Slot = tuple[int, int]  # (group, local tier slot)

@@ -36,7 +36,6 @@ from vllm_kvplugin.chunk.format import (
     check_chunk,
     dtype_name,
 )
-from vllm_kvplugin.chunk.keys import model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import (
     FetchRequest,
@@ -85,7 +84,7 @@ class WorkerSide:
         self.vllm_version = vllm_version
         self.chunk_size = cfg.chunk_size
         self.groups = _common.group_specs(kv_cache_config)
-        self.fingerprint = model_fingerprint(_common.model_identity(vllm_config, cfg.model_id))
+        self.fingerprint = b""  # the scheduler's, from the first metadata on (see bind)
         self.rank, self.world = 0, _common.model_parallel_world(vllm_config)
         self.server: ServerStore | None = None
         self.layouts: list[KVLayout] = []
@@ -377,8 +376,10 @@ class WorkerSide:
             logger.warning("vllm-kvplugin: the server refused %d of %d objects", ok.count(False), len(ok))
         return sum(p.nbytes for p in payloads)
 
-    def fence(self) -> None:
-        """Before a step's forward: the compute stream must not overwrite blocks stores still read."""
+    def bind(self, meta: KVPluginMetadata) -> None:
+        """Every step, before the forward: take the scheduler's fingerprint; the compute stream
+        must not overwrite blocks that stores still read."""
+        self.fingerprint = meta.fingerprint
         self.engine.fence()
 
     # ------------------------------------------------------------------ results
