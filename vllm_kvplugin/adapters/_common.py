@@ -13,6 +13,7 @@ import torch
 from vllm_kvplugin.layout.build import GroupSource, LayoutError
 from vllm_kvplugin.layout.descriptor import ContentSemantics, GroupKind
 from vllm_kvplugin.layout.groups import GroupSpec, StateTensor
+from vllm_kvplugin.layout.state import StateSource
 
 #: HF config fields that decide a model's KV bytes for given weights and token ids.  A
 #: curated list, not the whole config: vLLM versions (and their transformers) add, drop
@@ -69,6 +70,9 @@ def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
             dtype=getattr(spec, "dtype", torch.uint8) if state is None else torch.uint8,
             window=window or 0,
             state=state or (),
+            state_mode=str(getattr(spec, "mamba_cache_mode", "")) if state else "",
+            speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+            drafter=bool(getattr(group, "is_eagle_group", False)),
         ))
     return out
 
@@ -93,12 +97,17 @@ def describe_groups(
     physical_order: Callable[[str, Any], tuple[int, ...] | None],
     mla_has_head_dim: bool,
     split_semantics: Callable[[str], ContentSemantics | None],
-) -> list[tuple[GroupSource, list[torch.Tensor]]]:
-    """(source, layer tensors) for every KV cache group; raises :class:`LayoutError`."""
+) -> list[tuple[GroupSource, list[torch.Tensor]] | None]:
+    """(source, layer tensors) for every attention-like KV cache group (None for recurrent
+    groups: :func:`describe_state_group`); raises :class:`LayoutError`."""
     out = []
     grouped: set[str] = set()
     for group, info in zip(kv_cache_config.kv_cache_groups, group_specs(kv_cache_config)):
         spec = group.kv_cache_spec
+        if info.kind is GroupKind.RECURRENT:
+            grouped.update(info.layer_names)
+            out.append(None)  # described by describe_state_group
+            continue
         names = tuple(n for n in info.layer_names if n in kv_caches)
         missing = [n for n in info.layer_names if n not in kv_caches]
         if missing:
@@ -136,11 +145,29 @@ def describe_groups(
         out.append((src, tensors))
         grouped.update(names)
     # layers outside every group must alias a grouped layer (KV sharing)
-    ptrs = {t.data_ptr() for _, ts in out for t in ts}
+    ptrs = {t.data_ptr() for entry in out if entry is not None for t in entry[1]}
     for name, t in kv_caches.items():
         if name not in grouped and isinstance(t, torch.Tensor) and t.data_ptr() not in ptrs:
             raise LayoutError(f"layer {name} is registered but belongs to no KV cache group")
     return out
+
+
+def describe_state_group(vllm_config: Any, kv_cache_config: Any, spec: GroupSpec,
+                         kv_caches: Mapping[str, Any], vllm_version: str,
+                         views_of: Callable[[Any, GroupSpec], tuple[torch.Tensor, ...]]) -> StateSource:
+    """A recurrent group's per-layer state views (``views_of`` turns what vLLM registered for
+    one layer into ``[num_blocks, *shape]`` views), and the views vLLM's layers bound."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    missing = [n for n in spec.layer_names if n not in kv_caches]
+    if missing:
+        raise LayoutError(f"KV cache group {spec.index}: layers {missing[:3]} were not registered")
+    views = tuple(views_of(kv_caches[n], spec) for n in spec.layer_names)
+    bound = [getattr(ctx.get(n), "kv_cache", None) for n in spec.layer_names]
+    reference = None
+    if all(isinstance(b, (tuple, list)) and len(b) == len(spec.state) for b in bound):
+        reference = tuple(tuple(b) for b in bound)
+    return StateSource(spec.index, spec.layer_names, views, reference, int(kv_cache_config.num_blocks),
+                       f"vLLM {vllm_version} {spec.spec_name} {spec.spec}")
 
 
 def model_identity(vllm_config: Any, model_id: str | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -21,5 +22,5 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 __all__ = [
     "KVConnectorBase_V1", "KVConnectorFactory", "KVConnectorMetadata",
     "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
-    "KVConnectorWorkerMetadata",
+    "KVConnectorWorkerMetadata", "SupportsHMA",
 ]

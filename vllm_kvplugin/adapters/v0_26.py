@@ -14,8 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvplugin.adapters import _common
+from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import ContentSemantics
+from vllm_kvplugin.layout.groups import GroupSpec
 
+#: recurrent (Mamba/GatedDeltaNet) state pages
+SUPPORTS_RECURRENT = False
 ERA = "0.26"
 
 
@@ -40,6 +44,13 @@ def physical_order(name: str, backend: Any) -> tuple[int, ...] | None:
 
 def split_semantics(backend: str) -> ContentSemantics | None:
     return ContentSemantics.SPLIT_KV_FIRST if backend == "ROCM_ATTN" else None
+
+
+def describe_state(vllm_config: Any, kv_cache_config: Any, spec: GroupSpec, kv_caches: dict, vllm_version: str):
+    raise LayoutError(
+        f"vllm-kvplugin: {spec.describe()} on vLLM {vllm_version}: recurrent (Mamba/GatedDeltaNet) "
+        "groups are supported from vLLM 0.29 on (0.26-0.28 register their state as [conv, ssm] "
+        "lists and hand a connector a local hit the recurrent state may not have)")
 
 
 def describe_groups(vllm_config: Any, kv_cache_config: Any, kv_caches: dict, vllm_version: str):

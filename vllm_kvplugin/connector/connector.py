@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm_kvplugin import adapters, counters
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.adapters.api import KVConnectorBase_V1, KVConnectorRole
+from vllm_kvplugin.adapters.api import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import KVPluginMetadata
 from vllm_kvplugin.connector.metrics import KVPluginPromMetrics, KVPluginStats
@@ -20,7 +20,11 @@ from vllm_kvplugin.connector.metrics import KVPluginPromMetrics, KVPluginStats
 logger = logging.getLogger(__name__)
 
 
-class KVPluginConnector(KVConnectorBase_V1):
+class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares vLLM's ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (sliding-window
+    and Mamba/GatedDeltaNet groups next to attention) and passes per-group block ids.
+    """
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         version = adapters.vllm_version()
@@ -33,7 +37,7 @@ class KVPluginConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvplugin.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg)
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg, adapter)
         else:
             from vllm_kvplugin.connector.worker import WorkerSide
 
@@ -117,6 +121,12 @@ class KVPluginConnector(KVConnectorBase_V1):
         self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # what vLLM calls instead of request_finished for an SupportsHMA connector
         self._sched.request_finished(request)
         return False, None
 

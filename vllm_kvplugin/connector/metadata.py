@@ -45,9 +45,9 @@ class FetchRequest:
 class LoadJob:
     """Write the verified object (``position``, ``group``) of the request's fetch.
 
-    ``block_ids``: the group's blocks covering the object's tokens (recurrent: the one
-    block that holds the state at the hit).  Of the object's tokens, those in
-    ``[lo, hi)`` are written (absolute token indices).
+    ``block_ids``: the group's blocks covering the object's tokens (recurrent: the block
+    that holds the state at the hit, then the block the step's kernels read it from).  Of
+    the object's tokens, those in ``[lo, hi)`` are written (absolute token indices).
     """
 
     key: bytes

@@ -54,10 +54,6 @@ from vllm_kvplugin.tiers.mp import ServerIndex, TierTrouble
 
 logger = logging.getLogger(__name__)
 
-#: the kinds this version stores (the others are refused at start-up, naming the group)
-SUPPORTED_KINDS = frozenset({GroupKind.ATTENTION, GroupKind.MLA})
-
-
 @dataclass
 class Fetch:
     """A planned hit whose objects the workers are verifying (or have verified)."""
@@ -104,15 +100,19 @@ def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_si
 class SchedulerSide:
     """The scheduler half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig):
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig, adapter: Any):
         self.cfg = cfg
-        self.chunk_size = cfg.chunk_size
         self.groups = _common.group_specs(kv_cache_config)
         for g in self.groups:
-            if g.kind not in SUPPORTED_KINDS:
-                raise LayoutError(f"vllm-kvplugin: {g.describe()} is not supported yet "
-                                  f"(supported: {', '.join(sorted(k.name.lower() for k in SUPPORTED_KINDS))})")
-            cfg.check_block_size(g.block_size)
+            why = g.unsupported() or (None if g.kind is not GroupKind.RECURRENT or adapter.SUPPORTS_RECURRENT
+                                      else f"recurrent groups need vLLM 0.29+ ({adapter.ERA} adapter)")
+            if why:
+                raise LayoutError(f"vllm-kvplugin: {g.describe()}: {why}")
+        self.chunk_size = cfg.resolve_chunk_size([g.block_size for g in self.groups])
+        self.state_groups = [g for g in self.groups if g.kind is GroupKind.RECURRENT]
+        #: a speculative drafter's last row of a chunk saw the next token: as vLLM does, a hit
+        #: leaves the drafter its last chunk to recompute
+        self.drafter = any(g.drafter for g in self.groups)
         _common.check_pipeline_split(vllm_config)
         self.fingerprint = model_fingerprint(_common.model_identity(vllm_config, cfg.model_id))
         self.namespace = b""  # a new random one after each reset_cache
@@ -177,7 +177,7 @@ class SchedulerSide:
         if f is not None:
             verified = f.verified()
             tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
-                                lambda pos, g: (pos, g) in verified)
+                                lambda pos, g: (pos, g) in verified, self._limit(tr))
             if tr.plan is None:
                 self._drop_fetch(tr)
                 return 0, False
@@ -192,11 +192,11 @@ class SchedulerSide:
     def _lookup(self, tr: RequestTracker, num_computed: int) -> Fetch | None:
         """Plan from the local tier or the server, whichever restores more; pin what it needs."""
         C = self.chunk_size
+        max_hit = self._limit(tr)
         plan = plan_load(tr.prompt_len, num_computed, C, self.groups,
-                         lambda pos, g: self.local[g].ready(tr.keys[pos]))
+                         lambda pos, g: self.local[g].ready(tr.keys[pos]), max_hit)
         lease = 0
         local_end = plan.end // C if plan else 0
-        max_hit = max_loadable_tokens(tr.prompt_len, C) // C
         if self.server is not None and local_end < max_hit:
             try:
                 found = self.server.lookup(tr.keys[:max_hit], num_computed // C)
@@ -223,6 +223,10 @@ class SchedulerSide:
                 pins.append((o.group, slot))
                 jobs.append(FetchJob(key, o.position, o.group, slot=slot))
         return Fetch(plan, jobs, lease, pins, issued=time.monotonic())
+
+    def _limit(self, tr: RequestTracker) -> int:
+        """The largest hit, in chunks, a prompt may have (one less with a drafter group)."""
+        return max(0, max_loadable_tokens(tr.prompt_len, self.chunk_size) // self.chunk_size - self.drafter)
 
     def _drop_fetch(self, tr: RequestTracker) -> None:
         """Give up a fetch: unpin, release, and tell the workers to forget what they verified."""
@@ -307,15 +311,34 @@ class SchedulerSide:
                 for g, ids in enumerate(new):
                     tr.block_ids[g].extend(ids)
             tr.num_computed = cached.num_computed_tokens[i]
+        for load in meta.loads:
+            self._running_state_blocks(load, so.num_scheduled_tokens.get(load.req_id, 0))
         for rid, n_sched in so.num_scheduled_tokens.items():
             tr = self._reqs.get(rid)
             if tr is None or not tr.block_ids:
                 continue
-            done = min(tr.num_computed + n_sched, tr.prompt_len) // self.chunk_size
-            jobs = self._store_jobs(tr, done)
+            end = tr.num_computed + n_sched
+            jobs = self._store_jobs(tr, min(end, tr.prompt_len) // self.chunk_size) + self._state_jobs(tr, end)
             if jobs:
                 meta.stores.append(StoreRequest(rid, jobs))
         return meta
+
+    def _running_state_blocks(self, load: LoadRequest, n_sched: int) -> None:
+        """A loaded state must also be in the block the step computes on.  vLLM ("align" mode)
+        copies a request's state from the block of its hit's column into the block of the
+        step's last column before the forward -- before the connector's load writes it -- and
+        the kernels read the state there.  So the state goes into both blocks (the first stays
+        what vLLM caches as the checkpoint of the hit)."""
+        tr = self._reqs.get(load.req_id)
+        if tr is None or not self.state_groups:
+            return
+        for job in load.jobs:
+            spec = self.groups[job.group]
+            if spec.kind is GroupKind.RECURRENT:
+                col = -(-(tr.num_computed + n_sched) // spec.block_size) - 1
+                block = tr.block_ids[job.group][col]
+                if block not in job.block_ids:
+                    job.block_ids = (*job.block_ids, block)
 
     def _store_jobs(self, tr: RequestTracker, done: int) -> list[StoreJob]:
         """Objects of the chunks completed by this step: into the local tier (once per key,
@@ -328,6 +351,8 @@ class SchedulerSide:
             key = tr.keys[ci]
             to_server = self.server is not None and ci >= tr.server_hits
             for g, spec in enumerate(self.groups):
+                if spec.kind is GroupKind.RECURRENT:
+                    continue  # _state_jobs
                 idx, slot = self.local[g], -1
                 if local_open[g] and not idx.contains(key):
                     got = idx.allocate(key)
@@ -346,6 +371,35 @@ class SchedulerSide:
         tr.stored_upto = max(tr.stored_upto, done)
         for idx in self.local:
             idx.touch(tr.keys[:done])
+        return jobs
+
+    def _state_jobs(self, tr: RequestTracker, end: int) -> list[StoreJob]:
+        """Recurrent checkpoints: vLLM ("align" mode) leaves the state after a step's last token
+        in the block of column ``end / B - 1``; when the step ends on a chunk boundary inside the
+        prompt, that is the checkpoint of the chunk ending there.  Kept every ``state_interval``
+        chunks and always at the last boundary before the prompt's last token."""
+        C = self.chunk_size
+        if not self.state_groups or end % C or not C <= end <= tr.prompt_len:
+            return []
+        pos = end // C - 1
+        if (pos + 1) % self.cfg.state_interval and end != max_loadable_tokens(tr.prompt_len, C):
+            return []
+        key, jobs = tr.keys[pos], []
+        for spec in self.state_groups:
+            ids = tr.block_ids[spec.index]
+            col = end // spec.block_size - 1
+            if col >= len(ids) or not ids[col]:
+                continue  # no state there (a null block): nothing materialised
+            idx, slot = self.local[spec.index], -1
+            if idx.num_slots and not idx.contains(key):
+                got = idx.allocate(key)
+                if got is not None:
+                    slot, evicted = got
+                    counters.SCHEDULER.add(evicted_bytes=evicted)
+                    self._slot_chunk[(spec.index, slot)] = pos
+            if slot >= 0 or self.server is not None:
+                jobs.append(StoreJob(key, pos, spec.index, (ids[col],), end, end, slot=slot,
+                                     to_server=self.server is not None))
         return jobs
 
     # ---------------------------------------------------------- worker results

@@ -46,6 +46,14 @@ from vllm_kvplugin.connector.metadata import (
     StoreJob,
 )
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
+from vllm_kvplugin.layout.descriptor import GroupKind
+from vllm_kvplugin.layout.state import (
+    StateSource,
+    certify_state,
+    check_state,
+    gather_state,
+    scatter_state,
+)
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
@@ -82,13 +90,13 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.adapter = adapter
         self.vllm_version = vllm_version
-        self.chunk_size = cfg.chunk_size
         self.groups = _common.group_specs(kv_cache_config)
+        self.chunk_size = cfg.resolve_chunk_size([g.block_size for g in self.groups])
         self.fingerprint = b""  # the scheduler's, from the first metadata on (see bind)
         self.rank, self.world = 0, _common.model_parallel_world(vllm_config)
         self.server: ServerStore | None = None
-        self.layouts: list[KVLayout] = []
-        self.layers: list[list[torch.Tensor]] = []
+        self.layouts: list[KVLayout | StateSource] = []  # per group (recurrent: its state views)
+        self.layers: list[Any] = []  # per group: layer tensors (recurrent: per layer, its state views)
         self.pool: LocalPool | None = None
         self.device = torch.device("cpu")
         self.engine: TransferEngine | None = None
@@ -104,8 +112,18 @@ class WorkerSide:
         self.rank, self.world = _common.model_parallel_rank(self.vllm_config)
         sources = self.adapter.describe_groups(self.vllm_config, self.kv_cache_config, kv_caches,
                                                self.vllm_version)
-        for (src, tensors), spec in zip(sources, self.groups):
-            layout, layers = build_layout(src, tensors, spec.kind)
+        for src, spec in zip(sources, self.groups):
+            if spec.kind is GroupKind.RECURRENT:
+                state = self.adapter.describe_state(self.vllm_config, self.kv_cache_config, spec, kv_caches,
+                                                    self.vllm_version)
+                check_state(spec, state)
+                if self.cfg.certify:
+                    certify_state(spec, state)
+                logger.info("vllm-kvplugin worker %d/%d: %s", self.rank, self.world, spec.describe())
+                self.layouts.append(state)
+                self.layers.append(state.views)
+                continue
+            layout, layers = build_layout(*src, spec.kind)
             if layout.bytes_per_token != spec.bytes_per_token:
                 raise LayoutError(
                     f"vllm-kvplugin: {layout.describe()} holds {layout.bytes_per_token} bytes per "
@@ -115,18 +133,29 @@ class WorkerSide:
             logger.info("vllm-kvplugin worker %d/%d: %s", self.rank, self.world, layout.describe())
             self.layouts.append(layout)
             self.layers.append(layers)
-        self.device = self.layers[0][0].device
+        self.device = next(t.device for t in kv_caches.values() if isinstance(t, torch.Tensor))
         self.engine = engine_for(self.device)
         num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
         pin = self.device.type == "cuda"
         self.pool = LocalPool([self._shape(g) for g in range(len(self.groups))],
-                              [lay.dtype for lay in self.layouts], num_slots, pin_memory=pin)
+                              [self._dtype(g) for g in range(len(self.groups))], num_slots, pin_memory=pin)
         if self.cfg.server:
             self.server = ServerStore(self.cfg, self.rank, self.world, f"worker{self.rank}", pin_for_cuda=pin)
 
+    @property
+    def _token_group(self) -> int:
+        """The group whose stored tokens ``stored_tokens`` counts (the first with tokens)."""
+        return next((g.index for g in self.groups if g.kind is not GroupKind.RECURRENT), -1)
+
+    def _dtype(self, g: int) -> torch.dtype:
+        return torch.uint8 if self.groups[g].kind is GroupKind.RECURRENT else self.layouts[g].dtype
+
     def _shape(self, g: int) -> tuple[int, ...]:
-        """Payload shape of one object of group ``g``."""
-        return self.layouts[g].chunk_shape(self.groups[g].stored_tokens(self.chunk_size))
+        """Payload shape of one object of group ``g`` (recurrent: ``[L, 1, 1, 1, state bytes]``)."""
+        spec = self.groups[g]
+        if spec.kind is GroupKind.RECURRENT:
+            return (spec.num_layers, 1, 1, 1, spec.state_bytes // spec.num_layers)
+        return self.layouts[g].chunk_shape(spec.stored_tokens(self.chunk_size))
 
     def object_slots(self, job: LoadJob | StoreJob) -> torch.Tensor:
         """``[1, T]`` paged slots of an object's tokens: those outside the job's ``[lo, hi)`` are -1."""
@@ -136,11 +165,11 @@ class WorkerSide:
                            job.hi - first)
 
     def _expect(self, g: int, key: bytes, position: int) -> ChunkExpect:
-        spec, layout = self.groups[g], self.layouts[g]
+        spec = self.groups[g]
         end = (position + 1) * self.chunk_size
-        return ChunkExpect(self.fingerprint, key, int(spec.kind), dtype_name(layout.dtype), self._shape(g),
-                           end - spec.stored_tokens(self.chunk_size), end, self.world, self.rank, g,
-                           spec.layers, spec.spec)
+        start = 0 if spec.kind is GroupKind.RECURRENT else end - spec.stored_tokens(self.chunk_size)
+        return ChunkExpect(self.fingerprint, key, int(spec.kind), dtype_name(self._dtype(g)), self._shape(g),
+                           start, end, self.world, self.rank, g, spec.layers, spec.spec)
 
     # ------------------------------------------------------------ verification
     def start_load(self, meta: KVPluginMetadata) -> None:
@@ -180,7 +209,7 @@ class WorkerSide:
                 expect = self._expect(job.group, job.key, job.position)
                 data = _bytes_of(payload)
                 checksum = check_chunk(header, data, expect, verify_checksum=False).checksum
-                checked[n] = (checksum, data, payload.view(self.layouts[job.group].dtype).view(1, *expect.shape))
+                checked[n] = (checksum, data, payload.view(self._dtype(job.group)).view(1, *expect.shape))
             except ChunkError as e:
                 errors[n] = e
         if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte is used
@@ -231,25 +260,34 @@ class WorkerSide:
         t0 = time.perf_counter()
         staged = self._staged.pop(req.req_id, {})
         try:
-            work, moved = [], [0] * len(self.layouts)
-            for g, layout in enumerate(self.layouts):
+            work, states, moved = [], [], [0] * len(self.groups)
+            for g, spec in enumerate(self.groups):
                 jobs = [j for j in req.jobs if j.group == g]
                 if not jobs:
                     continue
-                bufs, slots = [], []
+                srcs = []
                 for j in jobs:
                     src = staged.get((j.position, g))
                     if src is None:
                         raise ChunkError("missing", f"chunk {j.position} of group {g} was not verified")
-                    slots.append(self.object_slots(j))
-                    bufs.append(src)
-                slot_t = torch.cat(slots)
+                    srcs.append(src)
+                if spec.kind is GroupKind.RECURRENT:  # one state, into the hit's block and the step's
+                    for j, src in zip(jobs, srcs):
+                        if not j.block_ids or not all(j.block_ids):
+                            raise ChunkError("plan", f"state of chunk {j.position} into blocks {j.block_ids}")
+                        states += [(self.layers[g], b, src.view(spec.num_layers, -1)) for b in j.block_ids]
+                        moved[g] += spec.state_bytes
+                    continue
+                layout = self.layouts[g]
+                slot_t = torch.cat([self.object_slots(j) for j in jobs])
                 moved[g] = int((slot_t >= 0).sum()) * layout.bytes_per_token
-                work.append((layout, self.layers[g], slot_t, bufs))
+                work.append((layout, self.layers[g], slot_t, srcs))
             if tuple(moved) != tuple(req.expected_bytes):  # checked before a byte is written
                 raise ChunkError("byte_mismatch", f"would move {moved} bytes, planned {list(req.expected_bytes)}")
             for layout, layers, slot_t, bufs in work:
                 self.engine.load(layout, layers, slot_t, bufs)
+            for views, block, src in states:
+                scatter_state(views, block, src)
         except Exception as e:  # never crash the engine: recompute instead
             reason = e.reason if isinstance(e, ChunkError) else "error"
             logger.exception("vllm-kvplugin: load of %s failed (%s); recomputing", req.req_id, reason)
@@ -277,7 +315,7 @@ class WorkerSide:
         remote = self._reserve([j for j in jobs if j.to_server])
         try:
             tickets = []
-            for g, layout in enumerate(self.layouts):
+            for g, spec in enumerate(self.groups):
                 targets: list[tuple[StoreJob, torch.Tensor]] = []
                 for job in local:
                     if job.group == g:
@@ -285,10 +323,15 @@ class WorkerSide:
                         targets.append((job, self.pool.payload(g, job.slot)))
                 for job, (_, payload_t) in remote:
                     if job.group == g:
-                        targets.append((job, payload_t.view(layout.dtype).view(1, *self._shape(g))))
-                if targets:
-                    slots = torch.cat([self.object_slots(j) for j, _ in targets])
-                    tickets.append(self.engine.store(layout, self.layers[g], slots, [t for _, t in targets]))
+                        targets.append((job, payload_t.view(self._dtype(g)).view(1, *self._shape(g))))
+                if not targets:
+                    continue
+                if spec.kind is GroupKind.RECURRENT:  # the state at the step's end, read now
+                    for job, t in targets:
+                        gather_state(self.layers[g], job.block_ids[0], t.view(spec.num_layers, -1))
+                    continue
+                slots = torch.cat([self.object_slots(j) for j, _ in targets])
+                tickets.append(self.engine.store(self.layouts[g], self.layers[g], slots, [t for _, t in targets]))
         except Exception:
             logger.exception("vllm-kvplugin: store of %d objects failed", len(jobs))
             self._fail_local(local)
@@ -351,8 +394,8 @@ class WorkerSide:
                 self.pool.set_header(job.group, job.slot, header.pack())
                 self._meta.stored[(job.group, job.slot)] = self._meta.stored.get((job.group, job.slot), 0) + 1
             nbytes += self._publish(remote)
-            counters.WORKER.add(stored_tokens=sum(j.hi - j.lo for j in local) + sum(j.hi - j.lo for j, _ in remote),
-                                stored_bytes=nbytes, store_seconds=time.perf_counter() - t0)
+            tokens = [j.hi - j.lo for j in [*local, *(j for j, _ in remote)] if j.group == self._token_group]
+            counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes, store_seconds=time.perf_counter() - t0)
         self._pending_stores = still
 
     def _publish(self, remote) -> int:

@@ -55,6 +55,9 @@ class GroupSpec:
     dtype: torch.dtype = torch.uint8
     window: int = 0  # WINDOW: tokens before a token that its attention still sees
     state: tuple[StateTensor, ...] = ()  # RECURRENT: one layer's state tensors
+    state_mode: str = ""  # RECURRENT: vLLM's mamba_cache_mode ("align" keeps per-block states)
+    speculative_blocks: int = 0  # RECURRENT: blocks vLLM keeps for speculative tokens
+    drafter: bool = False  # the KV of a speculative drafter (EAGLE): its last row saw the next token
 
     @property
     def num_layers(self) -> int:
@@ -118,6 +121,16 @@ class GroupSpec:
         if self.kind is not GroupKind.RECURRENT:
             return ""
         return state_spec((t.dtype, t.shape) for t in self.state)
+
+    def unsupported(self) -> str | None:
+        """Why the plugin cannot store this group (None: it can)."""
+        if self.kind is GroupKind.RECURRENT:
+            if self.state_mode != "align":
+                return (f"mamba_cache_mode is {self.state_mode!r}: only 'align' keeps a state per block "
+                        "(it is vLLM's mode with prefix caching on: enable_prefix_caching=True)")
+            if self.speculative_blocks:
+                return "speculative decoding with a recurrent group is not supported yet"
+        return None
 
     def describe(self) -> str:
         what = {GroupKind.WINDOW: f", window {self.window}",
