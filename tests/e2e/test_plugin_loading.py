@@ -114,35 +114,6 @@ def test_engine_refuses_bad_config_naming_the_key(qwen3_model, extra, match):
 
 
 @pytest.mark.engine
-def test_engine_refuses_a_sliding_window_model_naming_the_spec(llama_model, tmp_path):
-    """Sliding-window attention (here Mistral-style, every layer) is not supported yet: vLLM
-    frees blocks that leave the window, so whole chunks are not there to store or load.
-    With the connector vLLM turns its hybrid allocator off and keeps the sliding-window
-    spec; the plugin refuses it at start-up, naming it, instead of serving doubtful KV."""
-    import shutil
-
-    model = tmp_path / "tiny-mistral-sliding"
-    shutil.copytree(llama_model, model)
-    cfg = json.loads((model / "config.json").read_text())
-    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
-    (model / "config.json").write_text(json.dumps(cfg))
-    out = _run(f"""
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-        try:
-            LLM(model={str(model)!r}, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-                max_model_len=512, block_size=32, enable_prefix_caching=False,
-                kv_transfer_config=KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both"))
-            print("STARTED")
-        except Exception as e:
-            print("REFUSED:", e)
-    """, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert "REFUSED:" in out.stdout and "SlidingWindowSpec" in out.stdout and "not supported" in out.stdout, (
-        out.stdout[-2000:] + out.stderr[-3000:])
-    assert "STARTED" not in out.stdout
-
-
-@pytest.mark.engine
 def test_multiprocess_engine_loads_plugin_everywhere(qwen3_model):
     """vLLM's default multiprocess engine: the entry point alone makes the connector work."""
     out = _run(f"""

