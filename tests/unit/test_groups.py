@@ -1,0 +1,112 @@
+"""KV cache groups as the plugin sees them: kinds, what one object holds, refusals at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_kvplugin.adapters import _common
+from vllm_kvplugin.chunk.rules import GroupNeed, Need
+from vllm_kvplugin.layout.build import LayoutError
+from vllm_kvplugin.layout.descriptor import GroupKind
+
+
+# stand-ins named like vLLM's spec classes (the adapter matches the class name)
+@dataclass
+class FullAttentionSpec:
+    block_size: int = 128
+    num_kv_heads: int = 2
+    head_size: int = 64
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int = 64
+    extra_retained_tokens: int = 0
+
+
+@dataclass
+class MambaSpec:
+    block_size: int = 384
+    shapes: tuple = ((3, 512), (2, 128, 128))
+    dtypes: tuple = (torch.bfloat16, torch.float32)
+    mamba_cache_mode: str = "align"
+    num_speculative_blocks: int = 0
+
+
+@dataclass
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    attention_chunk_size: int = 1024
+
+
+@dataclass
+class Group:
+    kv_cache_spec: object
+    layer_names: list = field(default_factory=lambda: ["model.layers.0.attn"])
+    is_eagle_group: bool = False
+
+
+def specs(*groups):
+    return _common.group_specs(SimpleNamespace(kv_cache_groups=list(groups)))
+
+
+def test_kinds_and_objects():
+    full, win, rec = specs(Group(FullAttentionSpec()), Group(SlidingWindowSpec()),
+                           Group(MambaSpec(), ["model.layers.1.linear_attn", "model.layers.2.linear_attn"]))
+    assert (full.kind, win.kind, rec.kind) == (GroupKind.ATTENTION, GroupKind.WINDOW, GroupKind.RECURRENT)
+    assert full.bytes_per_token == 2 * 2 * 64 * 2 and full.stored_tokens(256) == 256
+    assert win.window == 63 and win.window_tail == 128 and win.stored_tokens(256) == 128
+    assert win.need(256) == GroupNeed(Need.WINDOW, 1) and full.need(256) == GroupNeed(Need.PREFIX)
+    assert rec.need(384) == GroupNeed(Need.POINT)
+    assert rec.state_bytes == 2 * (3 * 512 * 2 + 2 * 128 * 128 * 4) == rec.object_bytes(384)
+    assert rec.spec == "bfloat16[3,512];float32[2,128,128]"
+    assert rec.unsupported() is None and full.unsupported() is None
+    # extra retained tokens widen the window (vLLM 0.32+)
+    wide, = specs(Group(SlidingWindowSpec(extra_retained_tokens=100)))
+    assert wide.window == 163 and wide.window_tail == 256
+
+
+def test_unknown_spec_is_refused_naming_it():
+    with pytest.raises(LayoutError, match="ChunkedLocalAttentionSpec.*supported: FullAttentionSpec"):
+        specs(Group(ChunkedLocalAttentionSpec()))
+
+
+@pytest.mark.parametrize("spec,why", [
+    (MambaSpec(mamba_cache_mode="none"), "only 'align' keeps a state per block"),
+    (MambaSpec(mamba_cache_mode="all"), "only 'align'"),
+    (MambaSpec(num_speculative_blocks=2), "speculative decoding"),
+])
+def test_recurrent_groups_vllm_cannot_checkpoint_are_refused(spec, why):
+    g, = specs(Group(spec))
+    assert why in g.unsupported()
+
+
+def test_recurrent_groups_are_refused_before_vllm_029():
+    """vLLM 0.26-0.28 register state pages as [conv, ssm] lists and hand a connector a local
+    hit the recurrent state may not have: the scheduler refuses at start-up, naming it."""
+    from vllm_kvplugin.adapters import v0_26, v0_29
+
+    assert not v0_26.SUPPORTS_RECURRENT and v0_29.SUPPORTS_RECURRENT
+    g, = specs(Group(MambaSpec()))
+    with pytest.raises(LayoutError, match="supported from vLLM 0.29 on"):
+        v0_26.describe_state(None, None, g, {}, "0.26.0")
+
+
+def test_v029_state_views_are_the_pages_as_vllm_binds_them():
+    """Independent reference: the slicing vLLM's MambaBase.bind_kv_cache does, written out."""
+    from vllm_kvplugin.adapters.v0_29 import state_views
+
+    g, = specs(Group(MambaSpec(shapes=((3, 8), (2, 4, 4)))))
+    page = 3 * 8 * 2 + 2 * 4 * 4 * 4 + 64  # padded
+    pages = torch.randint(-128, 127, (5, 1, 1, page), dtype=torch.int8)
+    conv, ssm = state_views(pages, g)
+    assert conv.shape == (5, 3, 8) and ssm.shape == (5, 2, 4, 4)
+    raw = pages.view(5, page)
+    assert torch.equal(conv[2].reshape(-1).view(torch.int8), raw[2, :48].view(torch.bfloat16).view(torch.int8))
+    assert torch.equal(ssm[4].view(torch.uint8).reshape(-1), raw[4, 48:48 + 128].view(torch.uint8))
+    with pytest.raises(LayoutError, match="expected int8 pages"):
+        state_views(torch.zeros(5, 1, 1, 10, dtype=torch.int8), g)
