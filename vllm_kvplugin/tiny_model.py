@@ -52,6 +52,8 @@ MISTRAL_SWA = TinySpec(arch="mistral")
 #: mixed windows)
 LLAMA_SWA = TinySpec(arch="llamaswa")
 HYBRIDS = {s.arch: s for s in (QWEN3NEXT, NEMOTRONH, MISTRAL_SWA, LLAMA_SWA)}
+#: the hybrid benchmark's model: wider, 6 GatedDeltaNet + 2 full attention layers
+QWEN3NEXT_BENCH = TinySpec(arch="qwen3next", layers=8, hidden=1024, heads=8, kv_heads=2, head_dim=128)
 #: the demo's model: wide enough that prefill, not the Python overhead, dominates
 DEMO = TinySpec(arch="qwen3", layers=8, hidden=1024, heads=16, kv_heads=8, head_dim=128)
 
@@ -136,7 +138,8 @@ def _hybrid(spec: TinySpec, common: dict):
 
     window = dict(sliding_window=64)
     if spec.arch == "qwen3next":
-        extra = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+        extra = dict(layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (spec.layers // 4),
+                     linear_conv_kernel_dim=4,
                      linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
                      linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,

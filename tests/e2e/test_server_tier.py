@@ -190,10 +190,10 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                     assert sum(s["load_failures"].values()) >= 1 and s["hit_tokens"] == 0, s
                 if when == "stopped-during-load":
                     server.proc.send_signal(signal.SIGCONT)
-                    time.sleep(1.5)  # past the clients' back-off after the timeouts (retry_s = 1 s)
                 elif when != "restarted-during-load":
                     assert generate(llm, [q])[0].token_ids == want_q  # still serving, server down
                     server.start()  # L2 survived: the stored prefix is found again
+                time.sleep(1.5)  # past the clients' back-off after their failed calls (retry_s = 1 s)
                 for i in range(3):  # nothing computed over the failed fetch was stored
                     for tokens, want in ((p2, want_p2), (p, want_p)):
                         probe.poison_all_blocks(seed=i + 1)
