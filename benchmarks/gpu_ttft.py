@@ -7,13 +7,16 @@ locally.  Modes, each in its own engine process (in-process engine core, eager),
 prompts in the same order:
 
 * ``baseline``   - no connector: every request recomputes;
+* ``vllm-apc``   - no connector, vLLM's GPU prefix cache kept: the repeat is a GPU prefix-cache
+  hit, no transfer at all (the floor any connector is measured against);
 * ``kvplugin``   - KVPluginConnector, in-process tier (page-locked host memory);
 * ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
 Prefix caching is on in every mode, and vLLM's GPU prefix cache is reset before each
-measured request, so a warm request's hit can only come from the connector.  Per prompt
+measured request (but in ``vllm-apc``), so a warm request's hit can only come from the
+connector.  The first hit after start-up is measured apart (``first_hit_warm_s``).  Per prompt
 length: one unmeasured request of that length (kernel warm-up), the cold request, the same
 prompt warm, then 8 greedy tokens compared with the baseline's.  TTFT is the latency of a
 1-token generation.  Results: JSON with the machine and versions, and ratios.
@@ -36,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))
 from ttft_common import measure, print_table, run_modes, start_server, summarize  # noqa: E402
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
-HOST_BYTES = 12 << 30  # every prompt of the run fits: no eviction in any mode
+HOST_BYTES = 24 << 30  # every prompt of the run fits: no eviction in any mode
 KV_BYTES = 16 << 30
 
 
@@ -65,7 +68,7 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5, block_size=block, kv_transfer_config=ktc, seed=0,
               max_num_batched_tokens=max_len)
-    rows = measure(llm, lengths, reset_prefix_cache=True, primer=True,
+    rows = measure(llm, lengths, reset_prefix_cache=mode != "vllm-apc", primer=True,
                    settle_s=0.5)  # asynchronous stores (vLLM's offloading) finish
     stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
     return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
@@ -83,8 +86,8 @@ def build_model() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="2049,8193,16385")
-    ap.add_argument("--modes", default="baseline,kvplugin,kvplugin-noverify,kvplugin-server,vllm-offloading")
+    ap.add_argument("--lengths", default="8193,16385,32769")
+    ap.add_argument("--modes", default="baseline,vllm-apc,kvplugin,kvplugin-noverify,kvplugin-server,vllm-offloading")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu-ttft-h200.json"))
@@ -132,7 +135,17 @@ def main() -> int:
     from vllm_kvplugin import __version__
 
     summary = summarize(results, lengths,
-                        {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin")})
+                        {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
+                         "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})
+    link = 55.3e9  # the pinned-copy ceiling measured on the H200 (benchmarks/results/gpu-xfer-h200.json)
+    bpt = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
+    for row in summary:  # the bars: warm - (vLLM prefix-cache hit) <= 1.1 x link time; cold <= 1.03 x
+        if "kvplugin_cold_s" in row and "baseline_cold_s" in row:
+            row["kvplugin_cold_over_baseline_cold"] = round(row["kvplugin_cold_s"] / row["baseline_cold_s"], 3)
+        if "kvplugin_warm_s" in row and "vllm-apc_warm_s" in row:
+            link_s = row["kvplugin_warm_cached_tokens"] * bpt / link
+            row["link_s"] = round(link_s, 4)
+            row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
     gpu = torch.cuda.is_available()
     props = torch.cuda.get_device_properties(0) if gpu else None
     doc = {

@@ -17,7 +17,7 @@ from vllm_kvplugin.chunk.format import payload_checksum
 
 #: below this many bytes in all, one thread (a thread hop costs more than it saves)
 PARALLEL_MIN_BYTES = 8 << 20
-MAX_THREADS = 8
+MAX_THREADS = 16  # a GPU host's cores hash while the link moves the same bytes
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None

@@ -104,6 +104,7 @@ class WorkerSide:
         self._meta = KVPluginWorkerMeta()
         self._pending_stores: list[tuple[list[Any], list[StoreJob], list, float]] = []
         self._staged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # verified objects per request
+        self._prefetched: dict[str, dict[int, tuple[Any, dict[int, int]]]] = {}  # per group, on the device
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
 
     # ------------------------------------------------------------- registration
@@ -174,7 +175,7 @@ class WorkerSide:
     # ------------------------------------------------------------ verification
     def start_load(self, meta: KVPluginMetadata) -> None:
         for rid in meta.forget:
-            self._staged.pop(rid, None)
+            self._forget(rid)
         for fetch in meta.fetches:
             self._fetch(fetch)
         for req in meta.loads:
@@ -212,6 +213,7 @@ class WorkerSide:
                 checked[n] = (checksum, data, payload.view(self._dtype(job.group)).view(1, *expect.shape))
             except ChunkError as e:
                 errors[n] = e
+        prefetched = self._prefetch(req, checked)  # the link moves them while the host hashes
         if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte is used
             order = list(checked)
             for n, got in zip(order, payload_checksums([checked[n][1] for n in order])):
@@ -219,9 +221,29 @@ class WorkerSide:
                     errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
         good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
         self._staged[req.req_id] = {(j.position, j.group): checked[n][2] for n, j in enumerate(jobs[:good])}
+        self._prefetched[req.req_id] = prefetched
         self._meta.fetched[req.req_id] = (1, good)
         if good < len(jobs):
             self._failed_fetch(req, errors)
+
+    def _prefetch(self, req: FetchRequest, checked) -> dict[int, tuple[Any, dict[int, int]]]:
+        """Per attention-like group, the objects whose headers passed, sent toward the device
+        (a CUDA cache) while their payloads are hashed: (prefetch, position -> row)."""
+        out = {}
+        for g, spec in enumerate(self.groups):
+            if spec.kind is GroupKind.RECURRENT:
+                continue
+            mine = [(req.jobs[n].position, t) for n, (_, _, t) in checked.items() if req.jobs[n].group == g]
+            pre = self.engine.prefetch(self.layouts[g], [t for _, t in mine]) if mine else None
+            if pre is not None:
+                out[g] = (pre, {pos: row for row, (pos, _) in enumerate(mine[:pre.rows])})
+        return out
+
+    def _forget(self, req_id: str) -> None:
+        """A fetch that will not load (or just did): its views and device staging go."""
+        self._staged.pop(req_id, None)
+        for pre, _ in self._prefetched.pop(req_id, {}).values():
+            self.engine.release(pre)
 
     def _resolve_remote(self, jobs, views) -> None:
         """Pool views (header bytes, payload tensor) of the leased jobs, per group."""
@@ -258,7 +280,8 @@ class WorkerSide:
     def _load(self, req: LoadRequest, epoch: int) -> None:
         """Copy a claimed hit's verified objects into the KV cache (before the forward)."""
         t0 = time.perf_counter()
-        staged = self._staged.pop(req.req_id, {})
+        staged = self._staged.get(req.req_id, {})
+        prefetched = self._prefetched.get(req.req_id, {})
         try:
             work, states, moved = [], [], [0] * len(self.groups)
             for g, spec in enumerate(self.groups):
@@ -279,13 +302,19 @@ class WorkerSide:
                         moved[g] += spec.state_bytes
                     continue
                 layout = self.layouts[g]
-                slot_t = torch.cat([self.object_slots(j) for j in jobs])
-                moved[g] = int((slot_t >= 0).sum()) * layout.bytes_per_token
-                work.append((layout, self.layers[g], slot_t, srcs))
+                pre, rows = prefetched.get(g, (None, {}))
+                for part in ([i for i, j in enumerate(jobs) if j.position in rows],  # on the device already
+                             [i for i, j in enumerate(jobs) if j.position not in rows]):
+                    if not part:
+                        continue
+                    slot_t = torch.cat([self.object_slots(jobs[i]) for i in part])
+                    moved[g] += int((slot_t >= 0).sum()) * layout.bytes_per_token
+                    on_device = (pre, [rows[jobs[i].position] for i in part]) if jobs[part[0]].position in rows else None
+                    work.append((layout, self.layers[g], slot_t, [srcs[i] for i in part], on_device))
             if tuple(moved) != tuple(req.expected_bytes):  # checked before a byte is written
                 raise ChunkError("byte_mismatch", f"would move {moved} bytes, planned {list(req.expected_bytes)}")
-            for layout, layers, slot_t, bufs in work:
-                self.engine.load(layout, layers, slot_t, bufs)
+            for layout, layers, slot_t, bufs, on_device in work:
+                self.engine.load(layout, layers, slot_t, bufs, staged=on_device)
             for views, block, src in states:
                 scatter_state(views, block, src)
         except Exception as e:  # never crash the engine: recompute instead
@@ -299,6 +328,8 @@ class WorkerSide:
         else:
             counters.WORKER.add(loaded_tokens=req.num_tokens, loaded_bytes=sum(moved),
                                 load_seconds=time.perf_counter() - t0)
+        finally:
+            self._forget(req.req_id)
         self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
 
     # ------------------------------------------------------------------- stores

@@ -16,6 +16,11 @@ Contract, for the worker (one thread, vLLM's worker thread):
 * :meth:`TransferEngine.load` returns when the chunk bytes are in the paged
   cache as far as the compute stream is concerned (attention issued after
   the call reads them).
+* :meth:`TransferEngine.prefetch` starts moving whole host chunks toward the
+  device while their bytes are verified on the host (returns at once; None when
+  the engine has nothing to gain or no room); a later ``load`` given
+  ``staged=(prefetch, rows)`` scatters those rows without using the link.
+  :meth:`TransferEngine.release` gives a prefetch's room back.
 
 ``slots`` are ``[C, T]`` int64 paged slots (``block_id * block_size + offset``,
 -1 = leave the token alone), ``bufs`` are C host tensors ``[1, L, KV, T, H, D]``.
@@ -43,8 +48,12 @@ class TransferEngine(Protocol):
 
     def fence(self) -> None: ...
 
+    def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> Any: ...
+
+    def release(self, pre: Any) -> None: ...
+
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
-             bufs: Sequence[torch.Tensor]) -> None: ...
+             bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...
 
 
 def engine_for(device: torch.device) -> TransferEngine:

@@ -31,8 +31,14 @@ class CpuTransfer:
     def fence(self) -> None:
         return None
 
+    def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> None:
+        return None  # the cache is in host memory: nothing to move ahead
+
+    def release(self, pre: None) -> None:
+        return None
+
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
-             bufs: Sequence[torch.Tensor]) -> None:
+             bufs: Sequence[torch.Tensor], staged=None) -> None:
         for c, buf in enumerate(bufs):
             ops.scatter(layers, slots[c:c + 1], layout.strides, layout.block_size,
                         layout.kernel_block_size, layout.num_blocks, buf)

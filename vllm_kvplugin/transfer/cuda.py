@@ -75,6 +75,21 @@ class _Staging:
     tensor: torch.Tensor  # uint8, flat
     busy: torch.cuda.Event | None = None  # completes when its last user is done
     last_use: int = 0
+    held: bool = False  # by a prefetch, until its load or release
+
+
+class Prefetch:
+    """Host chunks already on their way to (or in) a device staging buffer: a later ``load``
+    scatters rows of it without touching the link.  Holds the staging buffer until released."""
+
+    __slots__ = ("staging", "stage", "event", "nbytes", "rows")
+
+    def __init__(self, staging: _Staging, stage: torch.Tensor, event: torch.cuda.Event, nbytes: int):
+        self.staging = staging
+        self.stage = stage
+        self.event = event
+        self.nbytes = nbytes
+        self.rows = stage.shape[0]  # the leading objects it holds
 
 
 class StoreTicket:
@@ -190,11 +205,12 @@ class CudaTransfer:
                     f"({layout.num_blocks} blocks of {layout.block_size} tokens)")
         return slots
 
-    def _acquire(self, nbytes: int) -> _Staging:
-        """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``."""
+    def _acquire(self, nbytes: int, hold: bool = False) -> _Staging:
+        """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``.  ``hold``:
+        kept for a prefetch until released (never handed out meanwhile)."""
         self._uses += 1
         free = [e for e in self._pool
-                if e.tensor.numel() >= nbytes and (e.busy is None or e.busy.query())]
+                if not e.held and e.tensor.numel() >= nbytes and (e.busy is None or e.busy.query())]
         if free:
             e = min(free, key=lambda e: e.tensor.numel())
         else:
@@ -204,11 +220,16 @@ class CudaTransfer:
                 e = _Staging(self._alloc(nbytes))
                 self._pool.append(e)
             else:  # reuse the least recently used one (device-side wait), growing it if needed
-                e = min(self._pool, key=lambda e: e.last_use)
+                unheld = [e for e in self._pool if not e.held]
+                if not unheld:  # every buffer held by a prefetch: one more, beyond the counts
+                    unheld = [_Staging(self._alloc(nbytes))]
+                    self._pool.append(unheld[0])
+                e = min(unheld, key=lambda e: e.last_use)
                 if e.tensor.numel() < nbytes:
                     self._drop(e.tensor)
                     e.tensor = self._alloc(nbytes)
         e.last_use = self._uses
+        e.held = hold
         return e
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -268,6 +289,28 @@ class CudaTransfer:
         else:
             for i, j, host in _runs(bufs, 0, len(bufs)):
                 stage[i:j].copy_(host, non_blocking=True)
+
+    def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor, pre: Prefetch,
+                     rows: Sequence[int]) -> None:
+        """Scatter prefetched rows into the paged cache: the compute stream waits for it."""
+        with torch.cuda.device(self.device):
+            compute = torch.cuda.current_stream(self.device)
+            self._kern.wait_event(self._event(compute))
+            for ev in self._pending_gathers:  # a pending store may still read a reused block
+                self._kern.wait_event(ev)
+            self._kern.wait_event(pre.event)
+            srcs, i = [], 0
+            while i < len(rows):  # runs of consecutive rows: one tensor each
+                j = i + 1
+                while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                    j += 1
+                srcs.append(pre.stage[rows[i]:rows[i] + (j - i)])
+                i = j
+            with torch.cuda.stream(self._kern):
+                self._scatter(layout, layers, slots, srcs, 0)
+                done = self._event(self._kern)
+            pre.staging.busy = done
+            compute.wait_event(done)
 
     def _note_gather(self, ev: torch.cuda.Event) -> None:
         if len(self._pending_gathers) > 64:
@@ -361,10 +404,48 @@ class CudaTransfer:
                 compute.wait_event(ev)
         self._pending_gathers = []
 
+    # ---------------------------------------------------------------- prefetch
+    def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> Prefetch | None:
+        """Start copying ``bufs`` (whole objects) into a device staging buffer, returning at once.
+
+        Called while the bytes are still being verified on the host, so that the link is busy
+        meanwhile: a load of verified objects then only scatters from the device.  Only the
+        leading objects that fit the staging room are sent (``rows`` of the result; None when
+        not one fits: the load then copies as usual).  :meth:`release` gives it back.
+        """
+        if not bufs or not self.kernel:
+            return None
+        room = self.staging_cap_bytes - sum(e.tensor.numel() for e in self._pool if e.held)
+        fits = min(len(bufs), max(0, room) // bufs[0].nbytes)
+        if fits == 0:
+            return None
+        bufs = bufs[:fits]  # the leading objects that fit; a load copies the rest itself
+        nbytes = sum(b.nbytes for b in bufs)
+        with torch.cuda.device(self.device):
+            staging = self._acquire(nbytes, hold=True)
+            if staging.busy is not None:
+                self._h2d.wait_event(staging.busy)
+            T = bufs[0].shape[3]
+            stage = staging.tensor[:nbytes].view(layout.dtype).view(len(bufs), *layout.chunk_shape(T))
+            with torch.cuda.stream(self._h2d):
+                self._from_host(bufs, stage)
+                done = self._event(self._h2d)
+            self._note_host_reads(bufs, done)
+            staging.busy = done
+        return Prefetch(staging, stage, done, nbytes)
+
+    def release(self, pre: Prefetch | None) -> None:
+        if pre is not None:
+            pre.staging.held = False
+
     # -------------------------------------------------------------------- loads
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
-             bufs: Sequence[torch.Tensor]) -> None:
+             bufs: Sequence[torch.Tensor], staged: tuple[Prefetch, Sequence[int]] | None = None) -> None:
+        """``staged``: the bytes of ``bufs`` are rows ``rows`` of a prefetch (no copy over the link)."""
         if not bufs:
+            return
+        if staged is not None and self.kernel:
+            self._load_staged(layout, layers, self._check(layout, slots, bufs), *staged)
             return
         slots = self._check(layout, slots, bufs)
         C, T = slots.shape
