@@ -116,14 +116,16 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
     load_failed: dict[str, int] = field(default_factory=dict)
     #: stores dropped because a load of their step failed: req id -> first position dropped
     stores_cancelled: dict[str, int] = field(default_factory=dict)
+    #: chunk key -> store jobs of it that ended (stored, failed or cancelled), summed over ranks
+    store_done: dict[bytes, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPluginWorkerMeta:
         assert isinstance(other, KVPluginWorkerMeta)
         out = KVPluginWorkerMeta(dict(self.stored), dict(self.store_failed), dict(self.fetched),
                                  dict(self.bad_slots), dict(self.loads_done), dict(self.load_failed),
-                                 dict(self.stores_cancelled))
+                                 dict(self.stores_cancelled), dict(self.store_done))
         for mine, theirs in ((out.stored, other.stored), (out.store_failed, other.store_failed),
-                             (out.loads_done, other.loads_done)):
+                             (out.loads_done, other.loads_done), (out.store_done, other.store_done)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
         for k, (ranks, good) in other.fetched.items():
@@ -139,4 +141,4 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
 
     def is_empty(self) -> bool:
         return not (self.stored or self.store_failed or self.fetched or self.bad_slots or self.loads_done
-                    or self.load_failed or self.stores_cancelled)
+                    or self.load_failed or self.stores_cancelled or self.store_done)

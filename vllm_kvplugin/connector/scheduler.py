@@ -84,6 +84,7 @@ class RequestTracker:
     fetch: Fetch | None = None
     plan: LoadPlan | None = None  # granted by the last get_num_new_matched_tokens
     looked_up: bool = False
+    waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
 
 
 def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,
@@ -125,6 +126,9 @@ class SchedulerSide:
         #: bytes one object occupies on the server, per group (every rank, header included)
         self.server_object_bytes = [self.world_size * (HEADER_SIZE + n) for n in object_bytes]
         self.fetch_timeout_s = 2 * cfg.server_timeout_s + 5.0
+        #: how long a lookup waits for this engine's own stores of the prompt to land
+        self.store_wait_s = 2.0
+        self._storing: dict[bytes, int] = {}  # chunk key -> store acknowledgements still due
         self.epoch = 0
         self._reqs: dict[str, RequestTracker] = {}
         self._pending_fetches: list[FetchRequest] = []
@@ -182,12 +186,23 @@ class SchedulerSide:
                 self._drop_fetch(tr)
                 return 0, False
             return tr.plan.num_tokens, False
+        if self._being_stored(tr, now):
+            return None, False  # this engine is storing chunks of the prompt: they land in a moment
         fetch = self._lookup(tr, num_computed_tokens)
         if fetch is None:
             return 0, False
         tr.fetch = fetch
         self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs))
         return None, False
+
+    def _being_stored(self, tr: RequestTracker, now: float) -> bool:
+        """Chunks of the prompt whose stores every rank has not acknowledged yet (their copies
+        finish after their step): wait for them, a bounded time, rather than miss them."""
+        if not self._storing or not any(k in self._storing for k in tr.keys[:self._limit(tr)]):
+            return False
+        if not tr.waiting_since:
+            tr.waiting_since = now
+        return now - tr.waiting_since <= self.store_wait_s
 
     def _lookup(self, tr: RequestTracker, num_computed: int) -> Fetch | None:
         """Plan from the local tier or the server, whichever restores more; pin what it needs."""
@@ -368,6 +383,7 @@ class SchedulerSide:
                     end = (ci + 1) * C
                     jobs.append(StoreJob(key, ci, g, object_blocks(spec, tr.block_ids[g], ci, C),
                                          end - spec.stored_tokens(C), end, slot=slot, to_server=to_server))
+                    self._storing[key] = self._storing.get(key, 0) + self.world_size
         tr.stored_upto = max(tr.stored_upto, done)
         for idx in self.local:
             idx.touch(tr.keys[:done])
@@ -400,6 +416,7 @@ class SchedulerSide:
             if slot >= 0 or self.server is not None:
                 jobs.append(StoreJob(key, pos, spec.index, (ids[col],), end, end, slot=slot,
                                      to_server=self.server is not None))
+                self._storing[key] = self._storing.get(key, 0) + self.world_size
         return jobs
 
     # ---------------------------------------------------------- worker results
@@ -408,6 +425,12 @@ class SchedulerSide:
         if not isinstance(meta, KVPluginWorkerMeta):
             return
         self._settle_stores(meta)
+        for key, n in meta.store_done.items():
+            left = self._storing.get(key, 0) - n
+            if left > 0:
+                self._storing[key] = left
+            else:
+                self._storing.pop(key, None)
         now = time.monotonic()
         for rid, (ranks, good) in meta.fetched.items():
             tr = self._reqs.get(rid)

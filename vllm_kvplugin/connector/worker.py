@@ -27,7 +27,7 @@ import torch
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.chunk.checksums import payload_checksums
+from vllm_kvplugin.chunk.checksums import PARALLEL_MIN_BYTES, payload_checksums
 from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
     ChunkError,
@@ -37,6 +37,8 @@ from vllm_kvplugin.chunk.format import (
     dtype_name,
 )
 from vllm_kvplugin.config import KVPluginConfig
+from vllm_kvplugin.connector import finisher
+from vllm_kvplugin.connector.finisher import PendingStore, StoreFinisher
 from vllm_kvplugin.connector.metadata import (
     FetchRequest,
     KVPluginMetadata,
@@ -102,7 +104,7 @@ class WorkerSide:
         self.engine: TransferEngine | None = None
         self._invalid_blocks: set[int] = set()
         self._meta = KVPluginWorkerMeta()
-        self._pending_stores: list[tuple[list[Any], list[StoreJob], list, float]] = []
+        self.finisher: StoreFinisher | None = None  # made at registration (it needs the engine)
         self._staged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # verified objects per request
         self._prefetched: dict[str, dict[int, tuple[Any, dict[int, int]]]] = {}  # per group, on the device
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
@@ -136,6 +138,12 @@ class WorkerSide:
             self.layers.append(layers)
         self.device = next(t.device for t in kv_caches.values() if isinstance(t, torch.Tensor))
         self.engine = engine_for(self.device)
+        self.finisher = StoreFinisher(self.engine, self._finish,
+                                      asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST)
+        for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
+            if self.groups[g].kind is not GroupKind.RECURRENT:
+                self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
+        payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2)  # the hashing threads
         num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
         pin = self.device.type == "cuda"
         self.pool = LocalPool([self._shape(g) for g in range(len(self.groups))],
@@ -342,6 +350,7 @@ class WorkerSide:
             self._cancel(meta)
             return
         t0 = time.perf_counter()
+        keys = [j.key for j in jobs]
         local = [j for j in jobs if j.slot >= 0]
         remote = self._reserve([j for j in jobs if j.to_server])
         try:
@@ -366,11 +375,11 @@ class WorkerSide:
         except Exception:
             logger.exception("vllm-kvplugin: store of %d objects failed", len(jobs))
             self._fail_local(local)
+            self.finisher.acknowledge(keys)
             if remote and self.server is not None:
                 self.server.abort([self.server.object_id(j.key, j.group) for j, _ in remote])
             return
-        self._pending_stores.append((tickets, local, remote, t0))
-        self._finish_stores()
+        self.finisher.submit(PendingStore(tickets, local, remote, keys, t0))
 
     def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
         for j in jobs:
@@ -381,6 +390,7 @@ class WorkerSide:
         that load never wrote.  None of them lands; the scheduler stores them again later."""
         for req in meta.stores:
             self._fail_local([j for j in req.jobs if j.slot >= 0])
+            self.finisher.acknowledge([j.key for j in req.jobs])
             first = min(j.position for j in req.jobs)
             self._meta.stores_cancelled[req.req_id] = min(first, self._meta.stores_cancelled.get(req.req_id, first))
         counters.WORKER.add(stores_cancelled=sum(len(r.jobs) for r in meta.stores))
@@ -399,35 +409,19 @@ class WorkerSide:
             logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
             return []
 
-    def _finish_stores(self, wait: bool = False) -> None:
-        """Write headers (with checksums) of stores whose bytes reached the host; publish them.
-
-        Called after issuing stores (``wait=False``: whatever is done already) and
-        at the end of every step (``wait=True``). The end of a step waits for the
-        step's DMAs: the scheduler learns of a stored chunk only from a step's
-        output, and an idle engine runs no further step, so a store finished
-        later would stay invisible to the next request (measured on the H200: a
-        repeated 16k-token prompt missed). The wait costs the step the rest of its
-        stores' link time, as vLLM's own CPU offloading pays in its cold requests.
-        """
-        still = []
-        for tickets, local, remote, t0 in self._pending_stores:
-            if wait:
-                for t in tickets:
-                    self.engine.wait(t)
-            elif not all(self.engine.done(t) for t in tickets):
-                still.append((tickets, local, remote, t0))
-                continue
-            payloads = [_bytes_of(self.pool.payload(j.group, j.slot)) for j in local]
-            nbytes = sum(p.nbytes for p in payloads)
-            for job, payload, checksum in zip(local, payloads, payload_checksums(payloads)):
-                header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
-                self.pool.set_header(job.group, job.slot, header.pack())
-                self._meta.stored[(job.group, job.slot)] = self._meta.stored.get((job.group, job.slot), 0) + 1
-            nbytes += self._publish(remote)
-            tokens = [j.hi - j.lo for j in [*local, *(j for j, _ in remote)] if j.group == self._token_group]
-            counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes, store_seconds=time.perf_counter() - t0)
-        self._pending_stores = still
+    def _finish(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """On the finisher (its copies done): checksums and headers of the local objects, then the
+        server's objects committed -- only now does any of them become visible."""
+        payloads = [_bytes_of(self.pool.payload(j.group, j.slot)) for j in entry.local]
+        nbytes = sum(p.nbytes for p in payloads)
+        for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads)):
+            header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
+            self.pool.set_header(job.group, job.slot, header.pack())
+        nbytes += self._publish(entry.remote)
+        tokens = [j.hi - j.lo for j in [*entry.local, *(j for j, _ in entry.remote)] if j.group == self._token_group]
+        counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes,
+                            store_seconds=time.perf_counter() - entry.t0)
+        return [(j.group, j.slot) for j in entry.local], []
 
     def _publish(self, remote) -> int:
         """Headers into the server's pool, then commit: the objects become visible only now."""
@@ -462,7 +456,7 @@ class WorkerSide:
         return out
 
     def take_meta(self) -> KVPluginWorkerMeta | None:
-        self._finish_stores(wait=True)
+        self.finisher.take(self._meta)
         if self._meta.is_empty():
             return None
         out, self._meta = self._meta, KVPluginWorkerMeta()

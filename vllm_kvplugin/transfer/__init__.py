@@ -21,6 +21,8 @@ Contract, for the worker (one thread, vLLM's worker thread):
   the engine has nothing to gain or no room); a later ``load`` given
   ``staged=(prefetch, rows)`` scatters those rows without using the link.
   :meth:`TransferEngine.release` gives a prefetch's room back.
+* :meth:`TransferEngine.warm_up` runs at registration, so that a first hit pays
+  no first-use costs (kernel loading, streams, staging).
 
 ``slots`` are ``[C, T]`` int64 paged slots (``block_id * block_size + offset``,
 -1 = leave the token alone), ``bufs`` are C host tensors ``[1, L, KV, T, H, D]``.
@@ -47,6 +49,8 @@ class TransferEngine(Protocol):
     def wait(self, ticket: Any) -> None: ...
 
     def fence(self) -> None: ...
+
+    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None: ...
 
     def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> Any: ...
 

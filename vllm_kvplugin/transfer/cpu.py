@@ -31,6 +31,9 @@ class CpuTransfer:
     def fence(self) -> None:
         return None
 
+    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
+        return None  # nothing costs more the first time
+
     def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> None:
         return None  # the cache is in host memory: nothing to move ahead
 

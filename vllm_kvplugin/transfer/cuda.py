@@ -404,6 +404,22 @@ class CudaTransfer:
                 compute.wait_event(ev)
         self._pending_gathers = []
 
+    # ----------------------------------------------------------------- warm-up
+    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
+        """At registration: one store and one prefetched load of the last block's own bytes (back
+        where they came from), through every path a first hit takes: the kernels are loaded,
+        the streams and a staging buffer exist, so the first hit costs what later ones do."""
+        n = max(1, tokens // layout.block_size)
+        blocks = torch.arange(layout.num_blocks - n, layout.num_blocks, dtype=torch.int64)
+        t = torch.arange(n * layout.block_size, dtype=torch.int64)
+        slots = (blocks[t // layout.block_size] * layout.block_size + t % layout.block_size).view(1, -1)
+        buf = torch.empty((1, *layout.chunk_shape(slots.shape[1])), dtype=layout.dtype, pin_memory=True)
+        self.wait(self.store(layout, layers, slots, [buf]))
+        pre = self.prefetch(layout, [buf])
+        self.load(layout, layers, slots, [buf], staged=(pre, [0]) if pre is not None else None)
+        self.release(pre)
+        torch.cuda.synchronize(self.device)
+
     # ---------------------------------------------------------------- prefetch
     def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> Prefetch | None:
         """Start copying ``bufs`` (whole objects) into a device staging buffer, returning at once.
