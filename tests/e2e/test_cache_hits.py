@@ -127,36 +127,6 @@ def test_store_finishing_after_its_step_reaches_the_next_request(qwen3_model, mo
         shutdown(llm)
 
 
-def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch):
-    """On a GPU stores finish on the worker's finisher thread after their step (their copies
-    cross the link while the next steps run). Forced here on the CPU, each store slowed down:
-    a repeat of the prompt right after it must wait for them (vLLM holds it back a few steps),
-    then hit in full, with the right output."""
-    import time
-
-    from vllm_kvplugin.connector import finisher
-    from vllm_kvplugin.connector import worker as wmod
-
-    monkeypatch.setattr(finisher, "ASYNC_ON_HOST", True)
-    finish = wmod.WorkerSide._finish
-    monkeypatch.setattr(wmod.WorkerSide, "_finish", lambda self, e: time.sleep(0.3) or finish(self, e))
-    p = prompt(5 * 32 + 3, seed=8)
-    want = _baseline(qwen3_model, 32, [[p]], budget=32)[0]
-    counters.STATS.reset()
-    with Probe().installed() as probe:
-        llm = engine(qwen3_model, 32, {"chunk_size": 32}, budget=32)
-        try:
-            assert generate(llm, [p])[0].token_ids == want
-            probe.poison_all_blocks()
-            warm = generate(llm, [p])[0]
-            assert warm.token_ids == want and warm.num_cached_tokens == 5 * 32
-            assert probe.worker.finisher.drain(10)
-            s = vllm_kvplugin.stats()
-            assert s["stored_tokens"] == 5 * 32 and s["load_failures"] == {}
-        finally:
-            shutdown(llm)
-
-
 def test_shared_prefix_in_one_batch(qwen3_model):
     """Several requests with a common prefix, scheduled in one step: correct, stored once, all hit.
 

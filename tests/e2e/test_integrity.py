@@ -165,3 +165,38 @@ def test_prompt_logprobs_never_read_a_cached_prefix(qwen3_model):
         assert generate(llm, [P])[0].num_cached_tokens == 8 * CHUNK  # others still hit
     finally:
         shutdown(llm)
+
+
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, tier, request):
+    """On a GPU stores finish on the worker's finisher thread after their step (their copies
+    cross the link while the next steps run). Forced here on the CPU, each store slowed down:
+    a repeat of the prompt right after it must wait for them (vLLM holds it back a few steps),
+    then hit in full, with the right output, from the in-process tier or the server."""
+    import time
+
+    from vllm_kvplugin.connector import finisher
+    from vllm_kvplugin.connector import worker as wmod
+
+    monkeypatch.setattr(finisher, "ASYNC_ON_HOST", True)
+    finish = wmod.WorkerSide._finish
+    monkeypatch.setattr(wmod.WorkerSide, "_finish", lambda self, e: time.sleep(0.3) or finish(self, e))
+    p = prompt(5 * 32 + 3, seed=8)
+    want = _baseline(qwen3_model, 32, [[p]], budget=32)[0]
+    cfg = {"chunk_size": 32}
+    if tier == "server":
+        cfg.update(cpu_bytes=0, server=request.getfixturevalue("server").address)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, cfg, budget=32)
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            probe.poison_all_blocks()
+            warm = generate(llm, [p])[0]
+            assert warm.token_ids == want and warm.num_cached_tokens == 5 * 32
+            assert probe.worker.finisher.drain(10)
+            s = vllm_kvplugin.stats()
+            assert s["stored_tokens"] == 5 * 32 and s["load_failures"] == {}
+            assert s["server_store_errors"] == 0
+        finally:
+            shutdown(llm)

@@ -411,7 +411,12 @@ class WorkerSide:
 
     def _finish(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """On the finisher (its copies done): checksums and headers of the local objects, then the
-        server's objects committed -- only now does any of them become visible."""
+        server's objects committed -- only now does any of them become visible.  (On the
+        finisher thread: inference mode as on vLLM's thread, whose tensors these views are.)"""
+        with torch.inference_mode():
+            return self._finish_now(entry)
+
+    def _finish_now(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         payloads = [_bytes_of(self.pool.payload(j.group, j.slot)) for j in entry.local]
         nbytes = sum(p.nbytes for p in payloads)
         for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads)):
@@ -428,11 +433,14 @@ class WorkerSide:
         if not remote:
             return 0
         payloads = [_bytes_of(payload_t) for _, (_, payload_t) in remote]
-        oids = []
-        for (job, (header_t, _)), payload, checksum in zip(remote, payloads, payload_checksums(payloads)):
-            header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum).pack()
-            header_t.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-            oids.append(self.server.object_id(job.key, job.group))
+        oids = [self.server.object_id(job.key, job.group) for job, _ in remote]
+        try:
+            for (job, (header_t, _)), payload, checksum in zip(remote, payloads, payload_checksums(payloads)):
+                header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
+                _bytes_of(header_t)[:] = header.pack()
+        except Exception:
+            self.server.abort(oids)  # never committed: the server takes the room back
+            raise
         try:
             ok = self.server.commit(oids)
         except TierTrouble as e:
