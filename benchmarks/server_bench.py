@@ -108,7 +108,7 @@ def bench_throughput(client: MPClient, nbytes: int, per_round: int, rounds: int,
         for off, h in zip(offs, hdrs):
             pool[off:off + HEADER_SIZE] = np.frombuffer(h, dtype=np.uint8)
             np.copyto(pool[off + HEADER_SIZE:off + HEADER_SIZE + nbytes], src)
-        assert all(client.commit(oids))
+        assert all(client.commit(oids, offs))
         puts.append(per_round * nbytes / (time.perf_counter() - t0) / 1e9)
         t0 = time.perf_counter()
         hits, lease = client.lookup(ks)
@@ -143,7 +143,7 @@ def bench_lookup(client: MPClient, n_index: int, reps: int) -> dict:
             view[off:off + HEADER_SIZE] = pack_header(key=k, group=0, rank=0, world=1,
                                                       payload_nbytes=nb, checksum=0)
             view[off + HEADER_SIZE:off + HEADER_SIZE + nb] = payload
-        assert all(client.commit(oids))
+        assert all(client.commit(oids, offs))
     out = {"index_chunks": n_index}
     cases = {"prompt_64_chunks": ks[:64], "prompt_1000_chunks": ks[:1000] if n_index >= 1000 else None,
              "prompt_4096_chunks (1M tokens)": ks[:4096] if n_index >= 4096 else None,

@@ -38,11 +38,17 @@ FIELDS: tuple[FieldDoc, ...] = (
     FieldDoc("server", (str, type(None)), None,
              "Address of a `vllm-kvplugin server` (`unix:///path` or `tcp://127.0.0.1:PORT`). "
              "Unset: in-process tier only."),
-    FieldDoc("server_token", (str, type(None)), None,
-             "Shared secret for a server that listens on a non-loopback TCP address."),
+    FieldDoc("server_token_file", (str, type(None)), None,
+             "File (mode 0600) with the server's token, needed for a TCP server. Unset: "
+             "`$VLLM_KVPLUGIN_TOKEN`. Both ends prove the token, neither sends it; the engine "
+             "refuses a server that cannot prove it."),
     FieldDoc("server_timeout_s", (int, float), 5.0,
              "Upper bound on any single exchange with the server; on timeout the "
              "tokens are recomputed."),
+    FieldDoc("server_step_timeout_s", (int, float), 0.05,
+             "Upper bound on a server call inside an engine step (resolve, reserve, commit): a "
+             "stopped or stuck server costs a miss or a skipped store, never more than this "
+             "in a running request's inter-token gap."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the xxh3 payload checksum of every chunk before it reaches the KV cache."),
     FieldDoc("certify", (bool,), True,
@@ -73,8 +79,9 @@ class KVPluginConfig:
     chunk_size: int | None = None
     cpu_bytes: int = 4 << 30
     server: str | None = None
-    server_token: str | None = None
+    server_token_file: str | None = None
     server_timeout_s: float = 5.0
+    server_step_timeout_s: float = 0.05
     verify_checksums: bool = True
     certify: bool = True
     model_id: str | None = None
@@ -113,6 +120,9 @@ class KVPluginConfig:
             raise ConfigError(f"vllm-kvplugin: cpu_bytes must be >= 0, got {self.cpu_bytes}")
         if self.server_timeout_s <= 0:
             raise ConfigError(f"vllm-kvplugin: server_timeout_s must be > 0, got {self.server_timeout_s}")
+        if self.server_step_timeout_s <= 0:
+            raise ConfigError("vllm-kvplugin: server_step_timeout_s must be > 0, got "
+                              f"{self.server_step_timeout_s}")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ConfigError(
                 "vllm-kvplugin: load_failure_policy must be 'recompute' or 'fail', "

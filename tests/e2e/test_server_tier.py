@@ -203,3 +203,92 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                             assert back.num_cached_tokens == (len(tokens) - 1) // CHUNK * CHUNK, (i, len(tokens))
         finally:
             shutdown(llm)
+
+
+def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, monkeypatch):
+    """SIGSTOP the server right when the last of four requests' hits is claimed: their loads (verified
+    bytes already in hand), the leases' release and the stores of a cold request prefilled
+    meanwhile (reserve: bounded by server_step_timeout_s, then backed off) must not wait on it,
+    and a request arriving meanwhile waits alone; every step of the running requests stays
+    short, while a call waiting on the server would take server_timeout_s (5 s)."""
+    import signal
+
+    from vllm import SamplingParams
+
+    from vllm_kvplugin.connector import scheduler as smod
+
+    prompts = [prompt(6 * CHUNK + 3, seed=600 + i) for i in range(4)]
+    late = prompt(3 * CHUNK + 1, seed=700)
+    cold = prompt(24 * CHUNK + 1, seed=650)
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                 budget=8 * CHUNK)
+    try:
+        want = [r.token_ids for r in generate(llm, prompts, max_tokens=24)]
+        claim, claimed = smod.SchedulerSide.update_state_after_alloc, []
+
+        def claim_then_stop(self, request, blocks, n):
+            claim(self, request, blocks, n)
+            claimed.append(n)
+            if len([c for c in claimed if c]) == 4:  # every hit verified and claimed: stop it now
+                server.proc.send_signal(signal.SIGSTOP)
+
+        monkeypatch.setattr(smod.SchedulerSide, "update_state_after_alloc", claim_then_stop)
+        sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        store_errors = counters.WORKER.snapshot()["server_store_errors"]
+        eng = llm.llm_engine
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        eng.add_request("cold", {"prompt_token_ids": cold}, sp)  # prefilled (and stored) while stopped
+        steps, outs, added = [], {}, False
+        while eng.has_unfinished_requests():
+            t0 = time.monotonic()
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o
+            steps.append(time.monotonic() - t0)
+            if not added and len(steps) > 3:
+                eng.add_request("late", {"prompt_token_ids": late}, sp)  # its lookup meets the stopped server
+                added = True
+            if all(r in outs for r in ("r0", "r1", "r2", "r3", "cold")):
+                break
+        server.proc.send_signal(signal.SIGCONT)
+        assert [list(outs[f"r{i}"].outputs[0].token_ids) for i in range(4)] == want
+        assert all(outs[f"r{i}"].num_cached_tokens == 6 * CHUNK for i in range(4))
+        assert max(steps) < 0.5, f"a step waited on the stopped server: {max(steps):.2f} s"
+        assert counters.WORKER.snapshot()["server_store_errors"] > store_errors  # stores met it
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        shutdown(llm)
+
+
+def _mapped_pools() -> set[str]:
+    """The server pool files this process maps (deleted ones included)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if len(line.split(None, 5)) == 6 and "vllm-kvplugin-" in line and ".pool" in line}
+
+
+def test_server_restarts_leave_one_pool_mapped(qwen3_model, workdir):
+    """Five restarts under a running engine: each new server's pool is mapped, each old one is
+    unmapped once the engine stops using it (before: every restart kept --l1-bytes mapped in
+    every engine process), and hits come from the new server."""
+    srv = ServerProc(workdir, "--l1-bytes", "64MiB").start()
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address})
+    try:
+        base = prompt(4 * CHUNK + 5, seed=800)
+        want = generate(llm, [base])[0].token_ids
+        for i in range(5):
+            assert srv.stop() == 0
+            srv.start()
+            for attempt in range(3):  # the first calls to meet the new instance fail: a miss
+                generate(llm, [prompt(3 * CHUNK + 2, seed=810 + 10 * i + attempt)])
+            pools = _mapped_pools()
+            assert len(pools) == 1, f"after restart {i + 1}: {sorted(pools)}"
+        back = generate(llm, [base])[0]  # stored again into the current server, then a hit
+        again = generate(llm, [base])[0]
+        assert back.token_ids == want and again.token_ids == want
+        assert again.num_cached_tokens == 4 * CHUNK
+        assert len(_mapped_pools()) == 1
+    finally:
+        shutdown(llm)
+        srv.stop()

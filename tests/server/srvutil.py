@@ -116,14 +116,15 @@ def store(c: MPClient, oids: list[bytes], nbytes: int, batch: int = 512) -> list
     for i in range(0, len(oids), batch):
         part = oids[i:i + batch]
         offs = c.reserve([(o, HEADER_SIZE + nbytes) for o in part])
-        done = []
+        done, res = [], []
         for o, off in zip(part, offs):
             if off is None:
                 continue
             h, pl = make_object(o, nbytes)
             c.write_object(off, h, pl)
             done.append(o)
-        ok = dict(zip(done, c.commit(done)))
+            res.append(off)
+        ok = dict(zip(done, c.commit(done, res)))
         out += [ok.get(o, False) for o in part]
     return out
 

@@ -13,6 +13,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 from srvutil import PY, keys_for, load_and_check, make_object, oids_for, store, wait_for
 
@@ -74,7 +75,7 @@ def test_kill9_during_load_and_store_then_restart_with_l2(server_factory, short_
     srv.kill9()
     t0 = time.monotonic()
     with pytest.raises(TierUnavailable):
-        c.commit(oids)
+        c.commit(oids, offs)
     assert time.monotonic() - t0 < c.timeout_s + 2.0  # bounded: no hang (slack for a loaded machine)
     srv.start()
     wait_for(lambda: _try(lambda: c.stats()), timeout=10)
@@ -207,7 +208,7 @@ def test_garbage_and_bad_messages_get_errors(server):
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(server.address.replace("unix://", "ipc://"))
-    hello = P.encode_request("hello", 1, P.HelloReq("raw"))
+    hello = P.encode_request("hello", 1, P.HelloReq(b"n" * 16, "raw"))
     cases = [
         (os.urandom(100), "malformed"),
         (b"", "malformed"),
@@ -401,14 +402,91 @@ def test_reservation_timeout_and_quarantine(server_factory):
         offs = c.reserve([(o, HEADER_SIZE + NB) for o in oids])
         for o, off in zip(oids[:2], offs):
             c.write_object(off, *make_object(o, NB))
-        assert c.commit(oids[:1]) == [True]
+        assert c.commit(oids[:1], offs[:1]) == [True]
         st = wait_for(lambda: (s := c.stats())["reservations_timed_out"] == 3 and s)
         assert st["reserved_now"] == 0 and st["quarantined_bytes"] > 0
-        assert c.commit(oids[1:2]) == [False]  # too late: nothing becomes visible
+        assert c.commit(oids[1:2], offs[1:2]) == [False]  # too late: nothing becomes visible
         assert c.lookup(keys)[0] == 1
         wait_for(lambda: c.stats()["quarantined_bytes"] == 0)
         assert all(store(c, oids[1:], NB))
         assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 4
+
+
+def test_a_stalled_writers_late_commit_is_fenced(server_factory):
+    """Writer fencing: a writer that stalled past its reservation cannot commit into the
+    reservation that replaced it -- not even from the same client (one worker process, two
+    stores of one chunk) -- and its stale bytes never become visible."""
+    srv = server_factory("--l1-bytes", "16MiB", "--reserve-s", "0.3", "--quarantine-s", "0.2")
+    key = keys_for(62, 1)[0]
+    oid = object_id(key, 0, 0, 1)
+    with MPClient(srv.address) as c:
+        stale = c.reserve([(oid, HEADER_SIZE + NB)])[0]
+        h, pl = make_object(oid, NB)
+        c.write_object(stale, h, b"\x5a" * NB)  # garbage under a valid header (a torn write)
+        wait_for(lambda: c.stats()["reservations_timed_out"] == 1)
+        fresh = c.reserve([(oid, HEADER_SIZE + NB)])[0]
+        assert fresh is not None and fresh.epoch > stale.epoch
+        c.write_object(fresh, h, b"\x5a" * NB)  # the stale writer's bytes land on the new room
+        assert c.commit([oid], [stale]) == [False]  # its commit names the old epoch: fenced
+        st = c.stats()
+        assert st["commit_fenced"] == 1 and st["objects"] == 0 and c.lookup([key])[0] == 0
+        c.write_object(fresh, h, pl)  # the current writer writes and commits its own bytes
+        assert c.commit([oid], [fresh]) == [True]
+        assert load_and_check(c, [key], 1, 1, 1, NB)[0] == 1
+
+
+def test_a_worker_does_not_publish_past_its_reservation(server_factory):
+    """The worker's side of the fence: past its reservation time it aborts instead of committing."""
+    from vllm_kvplugin.config import KVPluginConfig
+    from vllm_kvplugin.tiers.mp import ServerStore
+
+    srv = server_factory("--l1-bytes", "16MiB", "--reserve-s", "0.5")
+    keys = keys_for(63, 2)
+    cfg = KVPluginConfig.from_extra_config({"server": srv.address, "cpu_bytes": 0})
+    ws = ServerStore(cfg, rank=0, world=1, name="worker", pin_for_cuda=False)
+    try:
+        oids = oids_for(keys, 1, 1, 1)
+        targets = ws.reserve(["a", "b"], [(o, HEADER_SIZE + NB) for o in oids])
+        assert [t.job for t in targets] == ["a", "b"]
+        for t, o in zip(targets, oids):
+            h, pl = make_object(o, NB)
+            t.header.copy_(torch.frombuffer(bytearray(h), dtype=torch.uint8))
+            t.payload.copy_(torch.frombuffer(bytearray(pl), dtype=torch.uint8))
+        assert ws.commit(targets[:1]) == [True]
+        time.sleep(0.45)  # past 80% of the reservation, not yet reclaimed by the server
+        assert ws.commit(targets[1:]) == [False]
+        with MPClient(srv.address) as c:
+            st = c.stats()
+            assert st["aborted_objects"] == 1 and st["commit_fenced"] == 0 and st["objects"] == 1
+    finally:
+        ws.close()
+
+
+def test_an_old_pool_is_unmapped_once_nothing_uses_it(server_factory):
+    """After a restart the client maps the new pool and unmaps the old one as soon as no tensor
+    view or memoryview of it is left (never under a live view: that would be a crash)."""
+    srv = server_factory("--l1-bytes", "16MiB")
+    with MPClient(srv.address) as c:
+        t = c.pool_tensor()
+        piece = t[4096:8192]
+        mv = c.pool_view()
+        unmapped = []
+        c.before_unmap = lambda tensor: unmapped.append(tensor.numel())
+        size = c.pool_size
+        for _ in range(2):  # the second pool is used by nothing: unmapped at the next restart
+            assert srv.stop() == 0
+            srv.start()
+            wait_for(lambda: _try(lambda: c.stats()))
+        del t
+        c.stats()
+        assert c.mapped_pools == 2 and unmapped == []  # the slice and the memoryview use the first
+        piece[:] = 7  # still mapped: writing is safe
+        del piece
+        c.stats()
+        assert unmapped == [size] and c.mapped_pools == 2  # the tensor went; the memoryview holds
+        mv.release()
+        c.stats()
+        assert c.mapped_pools == 1 and unmapped == [size]
 
 
 def test_restart_under_a_connected_client(server_factory):
@@ -436,6 +514,6 @@ def test_restart_under_a_connected_client(server_factory):
         assert c.hello()["pool_path"] != old_pool
         with pytest.raises(TierUnavailable):  # an offset of the old pool is refused
             c.write_object(offs[0], *make_object(oids[0], NB), generation=gen)
-        assert c.commit(oids) == [False, False, False]
+        assert c.commit(oids, offs) == [False, False, False]
         assert all(store(c, oids, NB))
         assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 3

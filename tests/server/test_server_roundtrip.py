@@ -98,20 +98,20 @@ def test_reserve_commit_rules(server):
         assert off is not None and (off + HEADER_SIZE) % 256 == 0  # payload aligned
         assert a.reserve([(oid, HEADER_SIZE + NB)]) == [None]  # reserved already
         assert b.reserve([(oid, HEADER_SIZE + NB)]) == [None]
-        assert b.commit([oid]) == [False]  # not b's reservation
+        assert b.commit([oid], [off]) == [False]  # not b's reservation
         # a header that names another object is refused at commit
         pl = payload_for(oid, NB)
         wrong = pack_header(key=key, group=0, rank=0, world=2, payload_nbytes=NB,
                             checksum=payload_checksum(pl))
         a.write_object(off, wrong, pl)
-        assert a.commit([oid]) == [False]
+        assert a.commit([oid], [off]) == [False]
         assert a.lookup([key])[0] == 0
         assert a.stats()["commit_bad_header"] == 1
         # written right, it commits once; the second commit and a late abort do nothing
         off = a.reserve([(oid, HEADER_SIZE + NB)])[0]
         a.write_object(off, *make_object(oid, NB))
-        assert a.commit([oid]) == [True]
-        assert a.commit([oid]) == [False] and a.abort([oid]) == 0
+        assert a.commit([oid], [off]) == [True]
+        assert a.commit([oid], [off]) == [False] and a.abort([oid]) == 0
         assert a.reserve([(oid, HEADER_SIZE + NB)]) == [None]  # exists
         assert load_and_check(b, [key], 1, 1, 1, NB)[0] == 1
         with pytest.raises(ServerError) as ei:  # bad object (rank >= world) is a request error
@@ -174,23 +174,29 @@ def test_default_start_private_dirs(server_factory, short_tmp):
     assert not os.path.exists(sock) and not os.path.exists(pool)
 
 
-def test_tcp_loopback_and_token(server_factory):
-    r = subprocess.run([PY, "-m", "vllm_kvplugin.server", "--listen", "tcp://0.0.0.0:0"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--token" in r.stderr and "--listen" in r.stderr
-    s = server_factory("--l1-bytes", "16MiB", listen="tcp://127.0.0.1:0")
-    assert s.address.startswith("tcp://127.0.0.1:") and not s.address.endswith(":0")
-    with MPClient(s.address) as c:
-        assert c.lookup(keys_for(1, 3))[0] == 0
-    t = server_factory("--l1-bytes", "16MiB", "--token", "correct-horse", listen="tcp://0.0.0.0:0")
+def test_tcp_needs_a_token_and_both_ends_prove_it(server_factory, short_tmp):
+    r = subprocess.run([PY, "-m", "vllm_kvplugin.server", "--listen", "tcp://127.0.0.1:0"],
+                       capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "VLLM_KVPLUGIN_TOKEN"})
+    assert r.returncode == 2 and "--token-file" in r.stderr and "--listen" in r.stderr
+    token = os.path.join(short_tmp, "token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("correct-horse-battery-staple")
+    t = server_factory("--l1-bytes", "16MiB", "--token-file", token, listen="tcp://0.0.0.0:0")
     port = t.address.rsplit(":", 1)[1]
     addr = f"tcp://127.0.0.1:{port}"
-    for token in (None, "wrong-token"):
-        with MPClient(addr, token=token) as c, pytest.raises(ServerError) as ei:
+    for wrong in (None, "wrong-token-of-16-chars"):
+        with MPClient(addr, token=wrong) as c, pytest.raises(ServerError) as ei:
             c.stats()
         assert ei.value.code == "auth"
-    with MPClient(addr, token="correct-horse") as c:
-        assert c.stats()["clients"] == 1
+    with MPClient(addr, token="correct-horse-battery-staple") as c:
+        assert c.lookup(keys_for(1, 3))[0] == 0
+        assert c.stats()["lookups"] == 1
+    # the token read from the environment, as the connector does without server_token_file
+    env_token = subprocess.run([PY, "-c", "from vllm_kvplugin.server.auth import read_token; print(read_token(None, 'x'))"],
+                               capture_output=True, text=True, timeout=60,
+                               env=dict(os.environ, VLLM_KVPLUGIN_TOKEN="correct-horse-battery-staple"))
+    assert env_token.stdout.strip() == "correct-horse-battery-staple"
 
 
 def test_pool_tensor_is_the_pool(server):
@@ -205,7 +211,7 @@ def test_pool_tensor_is_the_pool(server):
         t[off:off + HEADER_SIZE] = torch.frombuffer(bytearray(h), dtype=torch.uint8)
         t[off + HEADER_SIZE:off + HEADER_SIZE + NB] = torch.frombuffer(bytearray(pl), dtype=torch.uint8)
         assert bytes(c.object_view(off, HEADER_SIZE + NB)) == h + pl
-        assert c.commit([oid]) == [True]
+        assert c.commit([oid], [off]) == [True]
         wait_for(lambda: c.stats()["objects"] == 1)
 
 

@@ -105,7 +105,8 @@ def test_flags_errors_name_the_flag(tmp_path):
     cases = [
         (["--l1-bytes", "lots"], "--l1-bytes"),
         (["--l1-bytes", "10"], "--l1-bytes"),
-        (["--listen", "tcp://0.0.0.0:5555"], "--token"),
+        (["--listen", "tcp://0.0.0.0:5555"], "--token-file"),
+        (["--listen", "tcp://127.0.0.1:5555"], "--token-file"),  # loopback too: every local user reaches it
         (["--listen", "tcp://10.0.0.1:5555"], "--listen"),
         (["--listen", "ftp://x"], "--listen"),
         (["--lease-s", "0"], "--lease-s"),
@@ -113,23 +114,34 @@ def test_flags_errors_name_the_flag(tmp_path):
         (["--high-watermark", "1.5"], "--high-watermark"),
         (["--low-watermark", "0.99", "--high-watermark", "0.9"], "--low-watermark"),
         (["--l2-dir", str(tmp_path), "--l2-bytes", "0"], "--l2-bytes"),
-        (["--token", "short"], "--token"),
+        (["--token", "a-secret-on-the-command-line"], "/proc/PID/cmdline"),
+        (["--token-file", str(tmp_path / "missing")], "--token-file"),
     ]
     for argv, flag in cases:
         with pytest.raises(ServerConfigError) as ei:
             config_from_args(argv)
         assert flag in str(ei.value), (argv, str(ei.value))
-    ok = config_from_args(["--listen", "tcp://0.0.0.0:0", "--token", "s3cret-token"])
-    assert ok.token == "s3cret-token" and not ok.listen.is_loopback
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-the-node\n")
+    token.chmod(0o644)  # others could read it
+    with pytest.raises(ServerConfigError, match="nobody else"):
+        config_from_args(["--listen", "tcp://0.0.0.0:0", "--token-file", str(token)])
+    token.chmod(0o600)
+    ok = config_from_args(["--listen", "tcp://0.0.0.0:0", "--token-file", str(token)])
+    assert ok.token == "s3cret-token-of-the-node" and not ok.listen.is_loopback
+    token.write_text("short")
+    with pytest.raises(ServerConfigError, match="at least 16"):
+        config_from_args(["--listen", "tcp://0.0.0.0:0", "--token-file", str(token)])
 
 
 def test_server_and_client_run_without_torch(tmp_path):
     """The server (and the client library) must not need torch: run both with torch blocked."""
     import subprocess
     import sys
+    import tempfile
     import textwrap
 
-    sock = f"/tmp/kvs-notorch-{os.getpid()}.sock"
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvs-nt-", dir="/tmp"), "s.sock")  # private, short
     code = textwrap.dedent(f"""
         import sys, threading, time
         sys.modules["torch"] = None  # any import of torch now raises ImportError

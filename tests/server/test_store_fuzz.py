@@ -120,17 +120,18 @@ def test_store_random_operations(tmp_path, seed):
                     for gg in range(g) for rr in range(r) if gg == 0 or rng.random() < 0.7]
             nb = rng.choice([1000, 3000, 20000])
             sizes = [HEADER_SIZE + nb] * len(oids)
-            offs = st.reserve(s, b"".join(oids), sizes, now)
-            mine = [(o, off) for o, off in zip(oids, offs) if off >= 0]
-            for o, off in mine:
+            offs, epochs = st.reserve(s, b"".join(oids), sizes, now)
+            mine = [(o, off, ep) for o, off, ep in zip(oids, offs, epochs) if off >= 0]
+            for o, off, _ep in mine:
                 h, pl = make_object(o, nb)
                 pool[off:off + HEADER_SIZE + nb] = h + pl
                 written[o] = h + pl
             fate = rng.random()
             if fate < 0.8:
-                st.commit(s, b"".join(o for o, _ in mine if rng.random() < 0.97))
+                picked = [(o, ep) for o, _off, ep in mine if rng.random() < 0.97]
+                st.commit(s, b"".join(o for o, _ in picked), [ep for _, ep in picked])
             elif fate < 0.9:
-                st.abort(s, b"".join(o for o, _ in mine))
+                st.abort(s, b"".join(o for o, _off, _ep in mine))
             # else: left reserved (times out or is reaped)
         elif op < 0.6:  # lookup, checked against an independent count
             keys = rng.choice(prompts)
@@ -192,15 +193,15 @@ def test_store_with_l2_random_operations(tmp_path):
         keys = rng.choice(prompts)
         if rng.random() < 0.5:
             oids = [object_id(k, 0, 0, 1) for k in keys]
-            offs = st.reserve(s, b"".join(oids), [HEADER_SIZE + 8000] * len(oids), 0.0)
+            offs, epochs = st.reserve(s, b"".join(oids), [HEADER_SIZE + 8000] * len(oids), 0.0)
             ok = []
-            for o, off in zip(oids, offs):
+            for o, off, ep in zip(oids, offs, epochs):
                 if off >= 0:
                     h, pl = make_object(o, 8000)
                     pool[off:off + HEADER_SIZE + 8000] = h + pl
                     written[o] = h + pl
-                    ok.append(o)
-            st.commit(s, b"".join(ok))
+                    ok.append((o, ep))
+            st.commit(s, b"".join(o for o, _ in ok), [ep for _, ep in ok])
         else:
             rep = st.lookup(s, b"".join(keys), PREFIX, 1, 1, 0, 5.0, b"c", 0, [], 0.0)
             deadline = time.monotonic() + 10

@@ -54,6 +54,9 @@ from vllm_kvplugin.tiers.mp import ServerIndex, TierTrouble
 
 logger = logging.getLogger(__name__)
 
+#: a server lookup is still on its way (``SchedulerSide._lookup``)
+_ASKING = object()
+
 @dataclass
 class Fetch:
     """A planned hit whose objects the workers are verifying (or have verified)."""
@@ -85,6 +88,7 @@ class RequestTracker:
     plan: LoadPlan | None = None  # granted by the last get_num_new_matched_tokens
     looked_up: bool = False
     waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
+    server_lookup: Any = None  # the server lookup in flight (a Future), with the first chunk it asked from
 
 
 def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,
@@ -189,6 +193,8 @@ class SchedulerSide:
         if self._being_stored(tr, now):
             return None, False  # this engine is storing chunks of the prompt: they land in a moment
         fetch = self._lookup(tr, num_computed_tokens)
+        if fetch is _ASKING:
+            return None, False  # the server's answer comes on its own thread: ask again next step
         if fetch is None:
             return 0, False
         tr.fetch = fetch
@@ -204,8 +210,9 @@ class SchedulerSide:
             tr.waiting_since = now
         return now - tr.waiting_since <= self.store_wait_s
 
-    def _lookup(self, tr: RequestTracker, num_computed: int) -> Fetch | None:
-        """Plan from the local tier or the server, whichever restores more; pin what it needs."""
+    def _lookup(self, tr: RequestTracker, num_computed: int):
+        """Plan from the local tier or the server, whichever restores more; pin what it needs.
+        :data:`_ASKING` while the server's answer is still on its way."""
         C = self.chunk_size
         max_hit = self._limit(tr)
         plan = plan_load(tr.prompt_len, num_computed, C, self.groups,
@@ -213,14 +220,19 @@ class SchedulerSide:
         lease = 0
         local_end = plan.end // C if plan else 0
         if self.server is not None and local_end < max_hit:
+            if tr.server_lookup is None:
+                tr.server_lookup = self.server.lookup_async(tr.keys[:max_hit], num_computed // C)
+            if not tr.server_lookup.done():
+                return _ASKING
+            future, tr.server_lookup = tr.server_lookup, None
             try:
-                found = self.server.lookup(tr.keys[:max_hit], num_computed // C)
+                found = future.result()
             except TierTrouble as e:
                 counters.SCHEDULER.add(server_lookup_errors=1)
                 logger.warning("vllm-kvplugin: server lookup failed (%s); the prompt is computed", e)
             else:
                 tr.server_hits = found.hits
-                if found.hits > local_end:  # the server pinned every object of that hit
+                if found.hits > local_end and found.hits * C > num_computed:  # the server pinned that hit
                     plan = plan_load(tr.prompt_len, num_computed, C, self.groups, lambda pos, g: True,
                                      limit=found.hits)
                     lease = found.lease
@@ -254,20 +266,19 @@ class SchedulerSide:
         self._forget.append(tr.req_id)
 
     def _release(self, lease: int, planned: int | None = None) -> None:
-        """Unpin a lease; with ``planned``, compare the bytes the server served with the plan."""
+        """Unpin a lease (never waiting on the server); with ``planned``, compare the bytes the
+        server served with the plan once it answers."""
         if not lease or self.server is None:
             return
-        try:
-            _, served = self.server.release(lease)
-        except TierTrouble as e:
-            logger.warning("vllm-kvplugin: releasing server lease %d failed (%s); it expires", lease, e)
-            return
-        if planned is not None:
+
+        def account(pinned: int, served: int) -> None:
             counters.SCHEDULER.add(server_planned_bytes=planned, server_served_bytes=served)
             if served != planned:
                 counters.SCHEDULER.add(server_bytes_mismatches=1)
                 logger.warning("vllm-kvplugin: lease %d planned %d bytes, the server served %d",
                                lease, planned, served)
+
+        self.server.release_async(lease, account if planned is not None else None)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tr = self._reqs.get(request.request_id)
@@ -481,6 +492,13 @@ class SchedulerSide:
         tr = self._reqs.pop(request.request_id, None)
         if tr is not None:
             self._drop_fetch(tr)  # looked up but never loaded
+            self._abandon_lookup(tr)
+
+    def _abandon_lookup(self, tr: RequestTracker) -> None:
+        """A server lookup nobody will use: its lease is released once it arrives."""
+        future, tr.server_lookup = tr.server_lookup, None
+        if future is not None:
+            future.add_done_callback(lambda f: f.exception() or self._release(f.result().lease))
 
     def reset_cache(self) -> bool:
         """Make everything stored so far unreachable: the local tier is emptied (objects still
@@ -490,7 +508,8 @@ class SchedulerSide:
         for idx in self.local:
             idx.clear()
         self.namespace = os.urandom(16)
-        for tr in self._reqs.values():
+        for tr in self._reqs.values():  # keyed in the old namespace: forgotten, looked up afresh
             self._drop_fetch(tr)
-            tr.stored_upto = len(tr.keys)
+            self._abandon_lookup(tr)
+        self._reqs.clear()
         return True

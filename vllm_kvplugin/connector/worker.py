@@ -57,7 +57,7 @@ from vllm_kvplugin.layout.state import (
     scatter_state,
 )
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
-from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
+from vllm_kvplugin.tiers.mp import ServerStore, ServerTarget, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
 
 logger = logging.getLogger(__name__)
@@ -361,9 +361,9 @@ class WorkerSide:
                     if job.group == g:
                         self.pool.set_header(g, job.slot, None)
                         targets.append((job, self.pool.payload(g, job.slot)))
-                for job, (_, payload_t) in remote:
-                    if job.group == g:
-                        targets.append((job, payload_t.view(self._dtype(g)).view(1, *self._shape(g))))
+                for t in remote:
+                    if t.job.group == g:
+                        targets.append((t.job, t.payload.view(self._dtype(g)).view(1, *self._shape(g))))
                 if not targets:
                     continue
                 if spec.kind is GroupKind.RECURRENT:  # the state at the step's end, read now
@@ -377,7 +377,7 @@ class WorkerSide:
             self._fail_local(local)
             self.finisher.acknowledge(keys)
             if remote and self.server is not None:
-                self.server.abort([self.server.object_id(j.key, j.group) for j, _ in remote])
+                self.server.abort([t.oid for t in remote])
             return
         self.finisher.submit(PendingStore(tickets, local, remote, keys, t0))
 
@@ -395,15 +395,14 @@ class WorkerSide:
             self._meta.stores_cancelled[req.req_id] = min(first, self._meta.stores_cancelled.get(req.req_id, first))
         counters.WORKER.add(stores_cancelled=sum(len(r.jobs) for r in meta.stores))
 
-    def _reserve(self, jobs: list[StoreJob]) -> list[tuple[StoreJob, tuple[torch.Tensor, torch.Tensor]]]:
+    def _reserve(self, jobs: list[StoreJob]) -> list[ServerTarget]:
         """Server room for each object; objects the server already has (or cannot take) drop out."""
         if not jobs or self.server is None:
             return []
         items = [(self.server.object_id(j.key, j.group), HEADER_SIZE + self.groups[j.group].object_bytes(self.chunk_size))
                  for j in jobs]
         try:
-            offs = self.server.reserve(items)
-            return [(j, self.server.views(o, n)) for j, o, (_, n) in zip(jobs, offs, items) if o is not None]
+            return self.server.reserve(jobs, items)
         except TierTrouble as e:
             counters.WORKER.add(server_store_errors=1)
             logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
@@ -423,7 +422,7 @@ class WorkerSide:
             header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
             self.pool.set_header(job.group, job.slot, header.pack())
         nbytes += self._publish(entry.remote)
-        tokens = [j.hi - j.lo for j in [*entry.local, *(j for j, _ in entry.remote)] if j.group == self._token_group]
+        tokens = [j.hi - j.lo for j in [*entry.local, *(t.job for t in entry.remote)] if j.group == self._token_group]
         counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes,
                             store_seconds=time.perf_counter() - entry.t0)
         return [(j.group, j.slot) for j in entry.local], []
@@ -432,17 +431,17 @@ class WorkerSide:
         """Headers into the server's pool, then commit: the objects become visible only now."""
         if not remote:
             return 0
-        payloads = [_bytes_of(payload_t) for _, (_, payload_t) in remote]
-        oids = [self.server.object_id(job.key, job.group) for job, _ in remote]
+        payloads = [_bytes_of(t.payload) for t in remote]
         try:
-            for (job, (header_t, _)), payload, checksum in zip(remote, payloads, payload_checksums(payloads)):
-                header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
-                _bytes_of(header_t)[:] = header.pack()
+            for t, payload, checksum in zip(remote, payloads, payload_checksums(payloads)):
+                header = ChunkHeader.for_payload(self._expect(t.job.group, t.job.key, t.job.position),
+                                                 payload, checksum)
+                _bytes_of(t.header)[:] = header.pack()
         except Exception:
-            self.server.abort(oids)  # never committed: the server takes the room back
+            self.server.abort([t.oid for t in remote])  # never committed: the server takes the room back
             raise
         try:
-            ok = self.server.commit(oids)
+            ok = self.server.commit(remote)
         except TierTrouble as e:
             counters.WORKER.add(server_store_errors=1)
             logger.warning("vllm-kvplugin: commit to the server failed (%s)", e)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ import time
 import msgspec
 import zmq
 
+from vllm_kvplugin.server import auth
 from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.config import ServerConfig, ServerConfigError, config_from_args
@@ -36,7 +36,10 @@ MAX_BATCH = 256
 
 
 def _prepare_unix_path(path: str) -> None:
-    """Private parent directory (created 0700 when it is the default one), no live server on ``path``."""
+    """Private parent directory (created 0700 when it is the default one), no live server on ``path``.
+
+    Clients trust a socket only in a directory of their user that nobody else can write
+    (``server/auth.py``): a socket elsewhere is refused here already."""
     parent = os.path.dirname(path)
     if parent == default_socket_dir() or not os.path.exists(parent):
         os.makedirs(parent, mode=0o700, exist_ok=True)
@@ -45,6 +48,10 @@ def _prepare_unix_path(path: str) -> None:
             raise ServerConfigError(f"--listen {path!r}: {parent} is not a directory owned by this user")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(parent, 0o700)
+    try:
+        auth.check_socket_dir(path)
+    except auth.AuthError as exc:
+        raise ServerConfigError(f"--listen {path!r}: {exc}") from None
     if os.path.lexists(path):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode):
@@ -137,7 +144,7 @@ class Server:
             if self.router in events:
                 for _ in range(MAX_BATCH):
                     try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._handle(frames, now)
@@ -161,8 +168,22 @@ class Server:
         self.store.stats[f"errors_{code}"] += 1
         self._send(head, P.encode_reply(req_id, code=code, error=message))
 
-    def _handle(self, frames: list[bytes], now: float) -> None:
+    def _peer_allowed(self, frame: zmq.Frame) -> bool:
+        """A Unix peer must run as this server's user (``SO_PEERCRED`` of the connection)."""
+        if self.address.kind != "unix":
+            return True  # TCP: the token decides
+        try:
+            return auth.peer_uid(frame.get(zmq.SRCFD)) == os.getuid()
+        except (OSError, zmq.ZMQError):
+            return False
+
+    def _handle(self, zframes: list[zmq.Frame], now: float) -> None:
+        frames = [f.bytes for f in zframes]
         ident = frames[0]
+        if ident not in self.store.sessions and not self._peer_allowed(zframes[-1]):
+            self.store.stats["clients_refused"] += 1
+            self._error([ident], 0, P.E_AUTH, f"this server serves processes of uid {os.getuid()} only")
+            return
         if len(frames) == 2:
             head, msg = [ident], frames[1]
         elif len(frames) == 3 and frames[1] == b"":  # a REQ client
@@ -209,15 +230,26 @@ class Server:
     def _dispatch(self, op: str, body, ident: bytes, req_id: int, head: list, now: float):
         st = self.store
         if op == "hello":
-            if self.cfg.token is not None and not (
-                    body.token is not None and hmac.compare_digest(body.token.encode(), self.cfg.token.encode())):
-                raise RequestError(P.E_AUTH, "missing or wrong token")
-            st.hello(ident, body.client_name, body.pid, now)
-            return self.hello_rep
+            s = st.hello(ident, body.client_name, body.pid, now)
+            s.client_nonce, s.server_nonce = body.nonce, auth.new_nonce()
+            s.authed = self.cfg.token is None
+            if self.cfg.token is None:
+                return self.hello_rep
+            return msgspec.structs.replace(self.hello_rep, auth_required=True, server_nonce=s.server_nonce,
+                                           proof=auth.server_proof(self.cfg.token, body.nonce, s.server_nonce))
         s = st.sessions.get(ident)
         if s is None:
             raise RequestError(P.E_HELLO, "say hello first (new connection, or this client was reaped)")
         s.last_seen = now
+        if op == "auth":
+            if self.cfg.token is None or not auth.check_proof(
+                    body.proof, auth.client_proof(self.cfg.token, s.client_nonce, s.server_nonce)):
+                st.reap(s, "refused")
+                raise RequestError(P.E_AUTH, "wrong proof of the token")
+            s.authed = True
+            return P.Empty()
+        if not s.authed:
+            raise RequestError(P.E_AUTH, "this server needs the token: auth first")
         if op == "heartbeat":
             return P.Empty()
         if op == "lookup":
@@ -230,11 +262,11 @@ class Server:
         if op == "release":
             return st.release(body.lease)
         if op == "reserve":
-            r = P.ReserveRep(st.reserve(s, body.ids, body.sizes, now))
+            r = P.ReserveRep(*st.reserve(s, body.ids, body.sizes, now))
             st.evict_to_watermark()
             return r
         if op == "commit":
-            return P.CommitRep(st.commit(s, body.ids))
+            return P.CommitRep(st.commit(s, body.ids, body.epochs))
         if op == "abort":
             return P.AbortRep(st.abort(s, body.ids))
         if op == "drop":

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from vllm_kvplugin.server.auth import AuthError, read_token
 from vllm_kvplugin.server.protocol import Address, default_address, parse_address
 
 
@@ -62,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size of the shared-memory pool (L1); pages are touched lazily (default 4GiB)")
     p.add_argument("--l2-dir", default=None, help="directory of the L2 chunk files (default: no L2)")
     p.add_argument("--l2-bytes", default="64GiB", help="byte budget of L2 (default 64GiB)")
-    p.add_argument("--token", default=None,
-                   help="shared secret every client must present; required to bind a non-loopback "
-                        "TCP address (also read from $VLLM_KVPLUGIN_TOKEN)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the shared secret (>= 16 characters, mode 0600) every client must "
+                        "prove it knows; required for any TCP address. Default: $VLLM_KVPLUGIN_TOKEN")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: argv is public
     p.add_argument("--lease-s", type=float, default=30.0,
                    help="a lookup pins what it found for this long after its last use (default 30)")
     p.add_argument("--heartbeat-s", type=float, default=2.0,
@@ -80,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... down to this fraction (default 0.85)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the pool file is created (default /dev/shm)")
     p.add_argument("--prefault", action="store_true",
-                   help="allocate the whole pool at start (no first-touch page faults; fails at start, "
-                        "not with SIGBUS later, when shared memory is short)")
+                   help="clients map the pool populated (no first-touch page faults in the engines); the "
+                        "pool's pages are always allocated at start")
     p.add_argument("--l2-readers", type=int, default=2, help="threads reading L2 files (default 2)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -109,12 +111,17 @@ def config_from_args(argv: list[str] | None) -> ServerConfig:
         raise _flag_error("--l1-bytes", a.l1_bytes, "must be at least 1MiB")
     if a.l2_dir is not None and l2 <= 0:
         raise _flag_error("--l2-bytes", a.l2_bytes, "must be > 0 with --l2-dir")
-    token = a.token if a.token is not None else os.environ.get("VLLM_KVPLUGIN_TOKEN") or None
-    if token is not None and len(token) < 8:
-        raise _flag_error("--token", "***", "must be at least 8 characters")
-    if listen.kind == "tcp" and not listen.is_loopback and not token:
+    if a.token is not None:
+        raise _flag_error("--token", "***", "a secret on the command line is readable by every local user "
+                          "(/proc/PID/cmdline): use --token-file FILE (mode 0600) or $VLLM_KVPLUGIN_TOKEN")
+    try:
+        token = read_token(a.token_file, "--token-file")
+    except AuthError as exc:
+        raise ServerConfigError(str(exc)) from None
+    if listen.kind == "tcp" and not token:
         raise _flag_error("--listen", a.listen,
-                          "a non-loopback TCP address needs --token (clients must present it)")
+                          "every TCP address (loopback too: any local user reaches it) needs a token: "
+                          "--token-file FILE (mode 0600) or $VLLM_KVPLUGIN_TOKEN; or use a Unix socket")
     for flag, value in (("--lease-s", a.lease_s), ("--heartbeat-s", a.heartbeat_s),
                         ("--reserve-s", a.reserve_s)):
         if not value > 0:

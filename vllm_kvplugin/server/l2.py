@@ -4,7 +4,9 @@ A file holds one object exactly as it sits in L1: ``[chunk header | payload]``;
 its name is the object id in hex (``ab/<44 hex>.kvc``, 256 sub-directories).
 Files are written to a temporary name and renamed, so a server killed
 mid-write leaves no file under a real name; the temporaries are removed at
-start.  At start the directory is re-indexed from the headers: a file whose
+start.  The directory is the server's own (a marker file says so): a non-empty
+directory without the marker is refused, so the server never deletes or chmods
+anything of the user's.  At start the directory is re-indexed from the headers: a file whose
 header is unreadable or names another object or size is deleted and counted.
 Payload checksums are verified when a file is promoted into L1 (and when an
 object is written, before its file exists).
@@ -20,6 +22,7 @@ import fcntl
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -38,19 +41,54 @@ SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 
 
+#: the file that makes a directory the server's own L2 (it touches no other directory)
+MARKER = ".vllm-kvplugin-l2"
+MARKER_TEXT = "vllm-kvplugin L2 directory, format 1: the cache server owns every file here\n"
+
+
 class L2InUse(OSError):
     pass
+
+
+class L2Foreign(OSError):
+    """``--l2-dir`` names a directory with files that are not the server's."""
+
+
+def _claim(root: str) -> None:
+    """Create ``root`` as the server's, or accept it when it holds the marker; a non-empty
+    directory without it is someone else's: refused, nothing in it touched."""
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise L2Foreign(f"--l2-dir {root} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"--l2-dir {root} belongs to uid {st.st_uid}, not to this user")
+    marker = os.path.join(root, MARKER)
+    if not os.path.lexists(marker):
+        entries = sorted(os.listdir(root))
+        if entries:
+            raise L2Foreign(
+                f"--l2-dir {root} holds files that are not the cache server's ({', '.join(entries[:3])}"
+                f"{', ...' if len(entries) > 3 else ''}): give an empty or new directory (the server "
+                f"marks its own with {MARKER} and touches nothing else)")
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, MARKER_TEXT.encode())
+        finally:
+            os.close(fd)
+    elif not stat.S_ISREG(os.lstat(marker).st_mode):
+        raise L2Foreign(f"--l2-dir {root}: {MARKER} is not a file")
+    if stat.S_IMODE(st.st_mode) & 0o077:  # the server's own directory: private
+        os.chmod(root, 0o700)
 
 
 class L2Dir:
     def __init__(self, root: str):
         self.root = root
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.stat(root)
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"--l2-dir {root} belongs to uid {st.st_uid}, not to this user")
-        if st.st_mode & 0o077:
-            os.chmod(root, 0o700)
+        _claim(root)
         # one server per directory: a second one would index and delete under the first
         self._lock_fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:

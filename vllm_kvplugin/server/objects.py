@@ -11,7 +11,7 @@ W_NONE, W_QUEUED, W_WRITING = 0, 1, 2
 
 class Obj:
     __slots__ = ("oid", "nbytes", "state", "block", "bsize", "pins", "owner", "deadline",
-                 "in_l2", "wstate", "doomed")
+                 "in_l2", "wstate", "doomed", "epoch")
 
     def __init__(self, oid: bytes, nbytes: int, state: int):
         self.oid = oid
@@ -25,6 +25,7 @@ class Obj:
         self.in_l2 = False
         self.wstate = W_NONE
         self.doomed = False
+        self.epoch = 0  # the reservation's number, which its commit must name (writer fencing)
 
     @property
     def offset(self) -> int:

@@ -1,9 +1,10 @@
 """L1: the shared-memory pool file and the allocator that places objects in it.
 
-The pool is a file under ``/dev/shm`` (mode 0600, created exclusively), sized
-with ``ftruncate`` so that pages are only touched when written.  Clients map
-it read/write by path.  Its name carries the owner's uid and the server's
-pid so a later server can sweep the pools of servers that died by SIGKILL.
+The pool is a file under ``/dev/shm`` (mode 0600, created exclusively, every
+page allocated at start).  Clients map it read/write by path, after checking
+that it is a pool of their user (``server/auth.py``).  Its server holds a lock
+on it, so that a later server can sweep the pools of servers that died by
+SIGKILL without touching live ones.
 
 The allocator is best-fit over free extents kept sorted by (size, offset),
 with coalescing of neighbours.  A model has few distinct object sizes, so a
@@ -15,12 +16,13 @@ freed block is usually reused exactly.  Blocks are multiples of
 from __future__ import annotations
 
 import bisect
+import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
 
+from vllm_kvplugin.server.auth import POOL_NAME
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.config import ServerConfigError
 from vllm_kvplugin.server.protocol import PAYLOAD_ALIGN
@@ -29,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 OBJECT_SHIFT = PAYLOAD_ALIGN - HEADER_SIZE
 assert OBJECT_SHIFT >= 0
-_POOL_RE = re.compile(r"^vllm-kvplugin-(\d+)-(\d+)-[0-9a-f]+\.pool$")
 
 
 def block_size_for(nbytes: int) -> int:
@@ -98,7 +99,14 @@ class Allocator:
 
 
 class SharedPool:
-    """The pool file, created by the server and mapped by it."""
+    """The pool file, created by the server and mapped by it.
+
+    Every page is allocated at start (``posix_fallocate``): a pool that does not fit in its
+    directory's free space is a start-up error here, never a SIGBUS in a vLLM worker later.
+    The server holds an exclusive ``flock`` on the file while it lives: a later server sweeps
+    a stale pool only when it can take that lock (a live server in another PID namespace
+    sharing ``/dev/shm`` keeps its pool).  ``prefault`` also makes clients map it populated.
+    """
 
     def __init__(self, shm_dir: str, size: int, prefault: bool = False):
         size -= size % PAYLOAD_ALIGN
@@ -106,31 +114,27 @@ class SharedPool:
         sweep_stale_pools(shm_dir)
         st = os.statvfs(shm_dir)
         free = st.f_bavail * st.f_frsize
-        if prefault and free < size:
-            raise ServerConfigError(f"--l1-bytes {size} with --prefault: {shm_dir} has only {free} "
-                                    "bytes free")
         if free < size:
-            logger.warning(
-                "%s has %d bytes free, less than the pool's %d (--l1-bytes): writers may get SIGBUS "
-                "when it fills up", shm_dir, free, size)
+            raise ServerConfigError(f"--l1-bytes {size}: {shm_dir} has only {free} bytes free (a smaller "
+                                    "pool, or --shm-dir on a larger filesystem)")
         name = f"vllm-kvplugin-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}.pool"
         self.path = os.path.join(shm_dir, name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.fchmod(fd, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
-            if prefault:  # allocate every page now: no first-touch cost, no SIGBUS when shm fills
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    raise ServerConfigError(f"--l1-bytes {size} with --prefault: cannot allocate the "
-                                            f"pool in {shm_dir} ({free} bytes free): {exc}") from None
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise ServerConfigError(f"--l1-bytes {size}: cannot allocate the pool in {shm_dir} "
+                                        f"({free} bytes free): {exc.strerror}") from None
             self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
+        self._lock_fd = fd  # held (with its flock) for the server's life
         self.view = memoryview(self.mmap)
 
     def close(self) -> None:
@@ -143,10 +147,12 @@ class SharedPool:
             self.mmap.close()
         except BufferError:  # a reader thread still holds a slice; the OS cleans up at exit
             pass
+        os.close(self._lock_fd)
 
 
 def sweep_stale_pools(shm_dir: str) -> int:
-    """Remove pool files of this user whose server process is gone (killed by SIGKILL)."""
+    """Remove pool files of this user whose server is gone (killed by SIGKILL): those whose
+    ``flock`` nobody holds -- true across PID namespaces, unlike a pid check."""
     n = 0
     uid = os.getuid()
     try:
@@ -154,23 +160,24 @@ def sweep_stale_pools(shm_dir: str) -> int:
     except OSError:
         return 0
     for name in names:
-        m = _POOL_RE.match(name)
+        m = POOL_NAME.match(name)
         if not m or int(m.group(1)) != uid:
             continue
-        pid = int(m.group(2))
-        if pid == os.getpid():
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             continue
         try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live server holds it
+        finally:
+            os.close(fd)
         try:
-            os.unlink(os.path.join(shm_dir, name))
+            os.unlink(path)
             n += 1
-            logger.info("removed the pool of dead server %d: %s", pid, name)
+            logger.info("removed the pool of a server that is gone: %s", name)
         except OSError:
             pass
     return n

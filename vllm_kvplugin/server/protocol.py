@@ -24,8 +24,8 @@ import msgspec
 from vllm_kvplugin.chunk.keys import KEY_SIZE
 
 #: bumped on any incompatible change of the messages below (2: 32-byte keys, per-group
-#: lookup rules, ``drop``)
-PROTOCOL_VERSION = 2
+#: lookup rules, ``drop``; 3: mutual proof of the token, ``auth``)
+PROTOCOL_VERSION = 4
 #: a request larger than this gets a ``too_large`` error reply
 MAX_MESSAGE_BYTES = 16 << 20
 #: ZMQ drops the connection of a peer sending more than this (no reply possible)
@@ -87,7 +87,7 @@ E_TOO_LARGE = "too_large"          # over MAX_MESSAGE_BYTES
 E_VERSION = "version"              # protocol version differs
 E_UNKNOWN_OP = "unknown_op"
 E_INVALID = "invalid"              # body does not match the op's schema or its rules
-E_AUTH = "auth"                    # missing or wrong token
+E_AUTH = "auth"                    # no or a wrong proof of the token, or a request before it
 E_HELLO = "hello_required"         # this connection has not said hello (or was reaped)
 E_UNKNOWN_LEASE = "unknown_lease"  # released, expired, or from another server instance
 E_NOT_LEASED = "not_leased"        # resolve asked for objects the lease does not pin
@@ -99,10 +99,17 @@ class Empty(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class HelloReq(msgspec.Struct, frozen=True):
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+
+
+class HelloReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    nonce: Nonce                       # the client's: the server's proof covers it (server/auth.py)
     client_name: ShortStr = ""
     pid: int = 0
-    token: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+
+class AuthReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    proof: Annotated[bytes, msgspec.Meta(max_length=64)]  # the client's proof of the token
 
 
 class HelloRep(msgspec.Struct, frozen=True):
@@ -118,6 +125,9 @@ class HelloRep(msgspec.Struct, frozen=True):
     reserve_s: float
     max_message_bytes: int
     prefaulted: bool = False  # every pool page allocated: clients map with MAP_POPULATE
+    auth_required: bool = False  # the server has a token: ``auth`` before anything else
+    server_nonce: bytes = b""
+    proof: bytes = b""           # the server's proof of the token (empty without one)
 
 
 class LookupReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -175,6 +185,12 @@ RESERVE_NO_ROOM = -2
 
 class ReserveRep(msgspec.Struct, frozen=True):
     offsets: list[int]     # >= 0: object offset; RESERVE_EXISTS; RESERVE_NO_ROOM
+    epochs: list[int]      # per reservation, a number never handed out before (0 where none)
+
+
+class CommitReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ids: bytes             # n * 38 bytes
+    epochs: list[Annotated[int, msgspec.Meta(ge=0)]]  # the epoch each reservation was given
 
 
 class IdsReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -182,7 +198,7 @@ class IdsReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 COMMIT_OK = 0
-COMMIT_NOT_RESERVED = 1    # unknown, not ours, already committed, or reclaimed
+COMMIT_NOT_RESERVED = 1    # unknown, not ours, already committed, reclaimed, or another epoch
 COMMIT_BAD_HEADER = 2      # the chunk header does not name this object / size
 
 
@@ -205,12 +221,13 @@ class StatsRep(msgspec.Struct, frozen=True):
 #: op name -> (request body type, reply body type)
 OPS: dict[str, tuple[type, type]] = {
     "hello": (HelloReq, HelloRep),
+    "auth": (AuthReq, Empty),
     "heartbeat": (Empty, Empty),
     "lookup": (LookupReq, LookupRep),
     "resolve": (ResolveReq, ResolveRep),
     "release": (LeaseReq, ReleaseRep),
     "reserve": (ReserveReq, ReserveRep),
-    "commit": (IdsReq, CommitRep),
+    "commit": (CommitReq, CommitRep),
     "abort": (IdsReq, AbortRep),
     "drop": (IdsReq, DropRep),     # objects the client found corrupt: gone from L1 and L2
     "stats": (Empty, StatsRep),

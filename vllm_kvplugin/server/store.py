@@ -52,12 +52,12 @@ COUNTERS = (
     "leases_expired", "lease_pinned_bytes", "lease_resolved_bytes", "leases_partially_served",
     "resolves", "resolved_objects", "resolved_bytes", "resolve_not_leased", "reserved_objects",
     "reserve_exists", "reserve_no_room", "committed_objects", "committed_bytes", "commit_bad_header",
-    "commit_not_reserved", "aborted_objects", "l1_evictions", "l1_evicted_bytes",
+    "commit_not_reserved", "commit_fenced", "aborted_objects", "l1_evictions", "l1_evicted_bytes",
     "watermark_evictions", "l1_corrupt_objects", "clients_connected", "clients_reaped",
     "reservations_reclaimed", "reservations_timed_out", "l2_writes", "l2_write_bytes",
     "l2_write_errors", "l2_reads_started", "l2_promoted_objects", "l2_promoted_bytes",
     "l2_promote_failures", "l2_corrupt_files", "l2_evictions", "l2_reindexed_objects",
-    "dropped_reported_corrupt",
+    "dropped_reported_corrupt", "clients_refused",
 )
 
 
@@ -69,6 +69,9 @@ class Session:
     last_seen: float
     reserved: set = field(default_factory=set)     # oids in RESERVED state owned by us
     leases: set = field(default_factory=set)       # lease ids we created
+    authed: bool = False                           # may do more than hello (see server/auth.py)
+    client_nonce: bytes = b""
+    server_nonce: bytes = b""
 
 
 class Store(LeaseOps):
@@ -84,6 +87,7 @@ class Store(LeaseOps):
         self.quarantine: list[tuple[float, int, int]] = []
         self.committed_bytes = 0
         self.committed_objects = 0
+        self.epoch = 0  # the last reservation epoch handed out
         self.stats: dict[str, int] = defaultdict(int)
         for name in COUNTERS:
             self.stats[name] = 0
@@ -332,7 +336,10 @@ class Store(LeaseOps):
                     p.promoted += 1
 
     # ------------------------------------------------------------------ stores
-    def reserve(self, s: Session, ids: bytes, sizes: list[int], now: float) -> list[int]:
+    def reserve(self, s: Session, ids: bytes, sizes: list[int], now: float) -> tuple[list[int], list[int]]:
+        """Room for each object: (offsets or RESERVE_*, epochs).  Each reservation gets a fresh
+        epoch that its commit must name: a writer that stalled past its reservation cannot
+        commit into the one that replaced it, even from the same session."""
         if len(ids) % OBJECT_ID_SIZE or len(ids) // OBJECT_ID_SIZE != len(sizes):
             raise RequestError(E_INVALID, f"{len(ids)} id bytes for {len(sizes)} sizes")
         items = []
@@ -344,8 +351,9 @@ class Store(LeaseOps):
                 raise RequestError(E_INVALID, f"item {i}: bad object (group {g} rank {r} world {w}, "
                                               f"{nbytes} bytes; pool {self.alloc.capacity})")
             items.append((oid, nbytes, bsize))
-        out = []
+        out, epochs = [], []
         for oid, nbytes, bsize in items:
+            epochs.append(0)
             if oid in self.objs:
                 self.stats["reserve_exists"] += 1
                 out.append(RESERVE_EXISTS)
@@ -357,21 +365,27 @@ class Store(LeaseOps):
                 continue
             e = Obj(oid, nbytes, RESERVED)
             e.block, e.bsize, e.owner, e.deadline = off, bsize, s, now + self.cfg.reserve_s
+            self.epoch += 1
+            e.epoch = epochs[-1] = self.epoch
             self.objs[oid] = e
             s.reserved.add(oid)
             self.stats["reserved_objects"] += 1
             out.append(e.offset)
-        return out
+        return out, epochs
 
-    def commit(self, s: Session, ids: bytes) -> list[int]:
-        if len(ids) % OBJECT_ID_SIZE:
-            raise RequestError(E_INVALID, f"id blob of {len(ids)} bytes is not a multiple of {OBJECT_ID_SIZE}")
+    def commit(self, s: Session, ids: bytes, epochs: list[int]) -> list[int]:
+        if len(ids) % OBJECT_ID_SIZE or len(ids) // OBJECT_ID_SIZE != len(epochs):
+            raise RequestError(E_INVALID, f"{len(ids)} id bytes for {len(epochs)} epochs")
         out = []
-        for i in range(0, len(ids), OBJECT_ID_SIZE):
+        for n, i in enumerate(range(0, len(ids), OBJECT_ID_SIZE)):
             oid = ids[i:i + OBJECT_ID_SIZE]
             e = self.objs.get(oid)
             if e is None or e.state != RESERVED or e.owner is not s:
                 self.stats["commit_not_reserved"] += 1
+                out.append(COMMIT_NOT_RESERVED)
+                continue
+            if e.epoch != epochs[n]:  # a stale writer of an earlier reservation of this object
+                self.stats["commit_fenced"] += 1
                 out.append(COMMIT_NOT_RESERVED)
                 continue
             s.reserved.discard(oid)

@@ -18,14 +18,20 @@ recompute and never waits longer than ``server_timeout_s`` per exchange.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_kvplugin.chunk.format import HEADER_SIZE
 from vllm_kvplugin.chunk.rules import GroupNeed
 from vllm_kvplugin.config import KVPluginConfig
 
 logger = logging.getLogger(__name__)
+
+#: a writer publishes a reservation only within this share of the server's reservation time
+RESERVE_MARGIN = 0.8
 
 
 class TierTrouble(Exception):
@@ -37,33 +43,35 @@ class TierTrouble(Exception):
 
 
 def _client(cfg: KVPluginConfig, name: str):
+    from vllm_kvplugin.server.auth import read_token
     from vllm_kvplugin.tiers.mp_client import MPClient
 
-    return MPClient(cfg.server, token=cfg.server_token, timeout_s=cfg.server_timeout_s,
+    return MPClient(cfg.server, token=read_token(cfg.server_token_file, "server_token_file"),
+                    timeout_s=cfg.server_timeout_s,
                     client_name=name)
 
 
-def _call(fn, *args):
+def _call(fn, *args, **kw):
     from vllm_kvplugin.tiers.mp_client import ServerError, TierUnavailable
 
     try:
-        return fn(*args)
+        return fn(*args, **kw)
     except TierUnavailable as e:
         raise TierTrouble("server_unavailable", str(e)) from e
     except ServerError as e:
         raise TierTrouble("server_error", str(e)) from e
 
 
-def _call_fresh(client, fn, *args):
+def _call_fresh(client, fn, *args, **kw):
     """Like :func:`_call`, but once more when the failure was meeting a restarted server:
     the client re-mapped its pool and a request that names no old offset or lease is safe."""
     gen = client.pool_generation
     try:
-        return _call(fn, *args)
+        return _call(fn, *args, **kw)
     except TierTrouble:
         if client.pool_generation == gen:
             raise
-        return _call(fn, *args)
+        return _call(fn, *args, **kw)
 
 
 @dataclass(frozen=True)
@@ -74,12 +82,37 @@ class Lookup:
 
 
 class ServerIndex:
-    """Scheduler-side lookups on the server (one client per engine core)."""
+    """Scheduler-side lookups on the server (one client per engine core).
+
+    Nothing here may hold the scheduler's thread: a stopped or slow server would add its
+    timeout to every running request's next token.  So lookups run on a thread of their own
+    (:meth:`lookup_async`: the caller polls the future, vLLM holds the request back
+    meanwhile) and releases are sent from it without waiting (:meth:`release_async`).
+    """
 
     def __init__(self, cfg: KVPluginConfig, needs: Sequence[GroupNeed], world: int, name: str):
         self.needs = [(int(n.need), n.window) for n in needs]
         self.world = world
         self._client = _client(cfg, name)
+        self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvplugin-server-index")
+
+    def lookup_async(self, keys: Sequence[bytes], first: int) -> Future:
+        """:meth:`lookup` on the index's thread; the future raises :class:`TierTrouble`."""
+        return self._calls.submit(self.lookup, list(keys), first)
+
+    def release_async(self, lease: int, done=None) -> None:
+        """Unpin on the index's thread; ``done(pinned, served)`` after, on that thread."""
+        def run():
+            try:
+                got = self.release(lease)
+            except TierTrouble as e:
+                logger.warning("vllm-kvplugin: releasing server lease %d failed (%s); it expires", lease, e)
+                return
+            if done is not None:
+                done(*got)
+
+        if lease:
+            self._calls.submit(run)
 
     def lookup(self, keys: Sequence[bytes], first: int) -> Lookup:
         """The largest hit every group can restore from the server (every rank's objects), past
@@ -103,11 +136,13 @@ class ServerIndex:
         return rep.pinned_bytes, rep.resolved_bytes
 
     def close(self) -> None:
+        self._calls.shutdown(wait=False)
         self._client.close()
 
 
-def _page_lock(tensor) -> None:
-    """``cudaHostRegister`` a mapped CPU tensor unless CUDA already knows it as page-locked.
+def _page_lock(tensor) -> bool:
+    """``cudaHostRegister`` a mapped CPU tensor unless CUDA already knows it as page-locked;
+    whether this call registered it.
 
     A failed runtime call also leaves its error as the thread's "last error",
     which the next CUDA check in torch (any kernel launch or allocation) would
@@ -117,16 +152,38 @@ def _page_lock(tensor) -> None:
     import torch
 
     if tensor.is_pinned():
-        return
+        return False
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-    if int(err) != 0:
-        logger.warning("vllm-kvplugin: cudaHostRegister of the server pool (%d bytes at %#x) failed "
-                       "with CUDA error %d; copies run from pageable memory", tensor.numel(),
-                       tensor.data_ptr(), int(err))
-        try:
-            torch.empty(1, device="cuda").zero_()
-        except RuntimeError:
-            pass
+    if int(err) == 0:
+        return True
+    logger.warning("vllm-kvplugin: cudaHostRegister of the server pool (%d bytes at %#x) failed "
+                   "with CUDA error %d; copies run from pageable memory", tensor.numel(),
+                   tensor.data_ptr(), int(err))
+    _clear_cuda_error()
+    return False
+
+
+def _clear_cuda_error() -> None:
+    import torch
+
+    try:
+        torch.empty(1, device="cuda").zero_()
+    except RuntimeError:
+        pass
+
+
+@dataclass(frozen=True, eq=False)
+class ServerTarget:
+    """One object a store writes into the server's pool: where, and the reservation to name at
+    commit.  ``deadline`` (monotonic): past it the server may have reclaimed the room, so the
+    writer must not publish (the server would refuse the commit anyway: its epoch)."""
+
+    job: Any
+    oid: bytes
+    reservation: Any
+    header: Any
+    payload: Any
+    deadline: float
 
 
 class ServerStore:
@@ -139,21 +196,36 @@ class ServerStore:
     def __init__(self, cfg: KVPluginConfig, rank: int, world: int, name: str, pin_for_cuda: bool):
         self.rank, self.world = rank, world
         self._client = _client(cfg, name)
+        #: calls on a step's path (resolve, reserve, and commit where stores finish in the step)
+        #: wait at most this: a stopped server costs a miss, not the running requests' next token
+        self.step_s = min(cfg.server_timeout_s, cfg.server_step_timeout_s)
         self._pin = pin_for_cuda
         self._tensor = None
         self._generation = -1
+        self._registered: set[int] = set()  # addresses of mappings this store page-locked
+        self._client.before_unmap = self._before_unmap
+
+    def _before_unmap(self, tensor) -> None:
+        """An old pool is about to be unmapped (nothing uses it): unregister it first."""
+        ptr = tensor.data_ptr()
+        if ptr in self._registered:
+            import torch
+
+            self._registered.discard(ptr)
+            if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+                _clear_cuda_error()
 
     def _pool(self):
         """The pool as a uint8 tensor (re-made, and page-locked, after the server changed).
 
-        A new server instance means a new mapping at a new address (the client keeps
-        the old ones mapped), so each mapping is registered once.
+        A new server instance means a new mapping at a new address, so each mapping is
+        registered once (and unregistered before the client unmaps it, once it is unused).
         """
         tensor = _call(self._client.pool_tensor)  # connects first: then read the generation
         gen = self._client.pool_generation
         if self._tensor is None or gen != self._generation or tensor.data_ptr() != self._tensor.data_ptr():
-            if self._pin:
-                _page_lock(tensor)
+            if self._pin and _page_lock(tensor):
+                self._registered.add(tensor.data_ptr())
             self._tensor, self._generation = tensor, gen
         return self._tensor
 
@@ -165,7 +237,8 @@ class ServerStore:
     def resolve(self, lease: int, keys: Sequence[bytes], group: int) -> list[tuple[int, int]]:
         """Offsets of leased objects; safe to retry on a restarted server (it checks the lease:
         one of an earlier instance is unknown there), and the views are then made of the new pool."""
-        return _call_fresh(self._client, self._client.resolve, lease, list(keys), group, self.rank, self.world)
+        return _call_fresh(self._client, self._client.resolve, lease, list(keys), group, self.rank, self.world,
+                           timeout_s=self.step_s)
 
     def views(self, offset: int, nbytes: int):
         """(header bytes view, payload uint8 tensor) of an object in the pool."""
@@ -174,25 +247,39 @@ class ServerStore:
             raise TierTrouble("short_read", f"object {offset}+{nbytes} outside the pool of {pool.numel()}")
         return pool[offset:offset + HEADER_SIZE], pool[offset + HEADER_SIZE:offset + nbytes]
 
-    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[int | None]:
+    def reserve(self, jobs: Sequence[Any], items: Sequence[tuple[bytes, int]]) -> list[ServerTarget]:
+        """Room for each job's object ``items[i] = (object id, bytes)``; the objects the server
+        already has, or has no room for, drop out."""
         self._pool()
-        offsets = _call_fresh(self._client, self._client.reserve, list(items))
+        t0 = time.monotonic()
+        offsets = _call_fresh(self._client, self._client.reserve, list(items), timeout_s=self.step_s)
         self._pool()  # re-made if that call met a restarted server
-        return offsets
+        deadline = t0 + RESERVE_MARGIN * self._client.reserve_s
+        return [ServerTarget(job, oid, off, *self.views(off, n), deadline)
+                for job, off, (oid, n) in zip(jobs, offsets, items) if off is not None]
 
-    def commit(self, oids: Sequence[bytes]) -> list[bool]:
-        return _call(self._client.commit, list(oids))
+    def commit(self, targets: Sequence[ServerTarget]) -> list[bool]:
+        """Publish written objects (False: refused, or past its reservation, so aborted)."""
+        now = time.monotonic()
+        late = [t for t in targets if now > t.deadline]
+        if late:
+            self.abort([t.oid for t in late])
+        on_time = [t for t in targets if now <= t.deadline]
+        ok = dict(zip((t.oid for t in on_time),
+                      _call(self._client.commit, [t.oid for t in on_time], [t.reservation for t in on_time],
+                            timeout_s=self.step_s)))
+        return [ok.get(t.oid, False) for t in targets]
 
     def drop(self, oids: Sequence[bytes]) -> None:
         """Objects that failed verification: the server forgets them (best effort)."""
         try:
-            _call(self._client.drop, list(oids))
+            _call(self._client.drop, list(oids), timeout_s=self.step_s)
         except TierTrouble as e:
             logger.warning("vllm-kvplugin: could not report %d corrupt objects (%s)", len(oids), e)
 
     def abort(self, oids: Sequence[bytes]) -> None:
         try:
-            _call(self._client.abort, list(oids))
+            _call(self._client.abort, list(oids), timeout_s=self.step_s)
         except TierTrouble:
             pass  # the server reclaims reservations of clients it no longer hears from
 

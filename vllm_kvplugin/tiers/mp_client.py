@@ -9,7 +9,7 @@ Store::
 
     offs = c.reserve([(oid, HEADER_SIZE + len(payload)), ...])   # None: exists / no room
     view = c.pool_view(); view[off:off + HEADER_SIZE] = header; view[off + HEADER_SIZE:...] = payload
-    c.commit([oid, ...])                                          # visible from now on
+    c.commit([oid, ...], [off, ...])                              # visible from now on
 
 Load::
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import stat
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -49,6 +49,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_kvplugin.server import auth
 from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.protocol import object_id
@@ -61,6 +62,8 @@ __all__ = ["MPClient", "TierUnavailable", "ServerError", "LookupResult", "LeaseR
 
 #: how long a call waits for the connection to the server before it gives up
 CONNECT_GRACE_S = 0.5
+#: a heartbeat's bound (it holds the client's lock meanwhile)
+HEARTBEAT_TIMEOUT_S = 1.0
 
 
 class TierUnavailable(Exception):
@@ -77,6 +80,18 @@ class ServerError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+class Reservation(int):
+    """An object's offset in the pool (use it as an int), with the epoch of the reservation:
+    :meth:`MPClient.commit` names it, so the server commits only this writer's reservation."""
+
+    epoch: int
+
+    def __new__(cls, offset: int, epoch: int) -> Reservation:
+        r = super().__new__(cls, offset)
+        r.epoch = epoch
+        return r
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,7 @@ class MPClient:
     """Thread-safe client; see the module docstring.
 
     ``address``: ``unix:///path``, a bare path, or ``tcp://HOST:PORT``.
-    ``token``: the server's ``--token`` (if it has one).  ``heartbeat``: send
+    ``token``: the server's token (``server/auth.py``: proven, never sent).  ``heartbeat``: send
     heartbeats from a daemon thread every ``heartbeat_s`` the server asks for.
     """
 
@@ -118,6 +133,8 @@ class MPClient:
                               else float(lookup_wait_s))
         self._heartbeat_on = heartbeat
         self._closed = False
+        #: called with an old pool's tensor before that pool is unmapped (e.g. cudaHostUnregister)
+        self.before_unmap = None
         self._init_process_state()
 
     # ------------------------------------------------------------------ process state
@@ -131,7 +148,8 @@ class MPClient:
         self._req_id = 0
         self._mmap: mmap.mmap | None = None
         self._pool_path: str | None = None
-        self._old_maps: list[mmap.mmap] = []
+        self._tensor = None  # the pool as a torch tensor, made once per mapping
+        self._old_maps: list[list] = []  # [mmap, tensor or None] of earlier servers' pools
         self._generation = 0
         self._instance: str | None = None
         self._hb_stop = threading.Event()
@@ -154,6 +172,8 @@ class MPClient:
             self._down_until = time.monotonic() + self.retry_s
 
     def _connect(self, deadline: float) -> bool:
+        if self.address.kind == "unix":
+            self._trust(auth.check_socket_dir, self.address.path)  # before a byte is sent
         if self._ctx is None:
             self._ctx = zmq.Context(1)
         s = self._ctx.socket(zmq.DEALER)
@@ -169,19 +189,48 @@ class MPClient:
         return self._connect_hello(deadline)
 
     def _connect_hello(self, deadline: float) -> bool:
+        nonce = auth.new_nonce()
         try:
-            rep = self._exchange("hello", P.HelloReq(self.client_name, os.getpid(), self.token), deadline)
+            rep = self._exchange("hello", P.HelloReq(nonce, self.client_name, os.getpid()), deadline)
         except _SessionLost as exc:  # hello never needs a session; a server that says so is broken
             raise TierUnavailable(f"cache server refused hello: {exc}") from None
-        return self._after_hello(rep)
+        return self._after_hello(rep, nonce, deadline)
 
-    def _after_hello(self, rep: P.HelloRep) -> bool:
-        """Check, map the pool, start heartbeats; True when this is a new server instance
-        (every offset and lease the caller holds from the previous one is void)."""
+    def _trust(self, check, *args) -> None:
+        try:
+            check(*args)
+        except auth.AuthError as exc:
+            self._disconnect(backoff=True)
+            raise ServerError(P.E_AUTH, f"cache server {self.address}: {exc}") from None
+
+    def _authenticate(self, rep: P.HelloRep, nonce: bytes, deadline: float) -> None:
+        """Both sides prove the token (server/auth.py); the server first, so that nothing more
+        goes to a peer that does not know it.  With a token configured, a server without one
+        is not trusted either."""
+        if not (rep.auth_required or self.token):
+            return
+        if not self.token:
+            self._disconnect(backoff=True)
+            raise ServerError(P.E_AUTH, f"cache server {self.address} requires a token: set server_token_file "
+                                        f"or ${auth.TOKEN_ENV}")
+        if not (rep.auth_required and auth.check_proof(rep.proof, auth.server_proof(self.token, nonce,
+                                                                                      rep.server_nonce))):
+            self._disconnect(backoff=True)
+            raise ServerError(P.E_AUTH, f"cache server {self.address} did not prove it knows the token: "
+                                        "not using it")
+        try:
+            self._exchange("auth", P.AuthReq(auth.client_proof(self.token, nonce, rep.server_nonce)), deadline)
+        except _SessionLost as exc:
+            raise TierUnavailable(f"cache server refused auth: {exc}") from None
+
+    def _after_hello(self, rep: P.HelloRep, nonce: bytes, deadline: float) -> bool:
+        """Check, authenticate, map the pool, start heartbeats; True when this is a new server
+        instance (every offset and lease the caller holds from the previous one is void)."""
         if rep.protocol != P.PROTOCOL_VERSION or rep.header_size != HEADER_SIZE:
             self._disconnect(backoff=True)
             raise ServerError(P.E_VERSION, f"server speaks protocol {rep.protocol} with {rep.header_size}-byte "
                                            f"headers; this client {P.PROTOCOL_VERSION}/{HEADER_SIZE}")
+        self._authenticate(rep, nonce, deadline)
         self._map_pool(rep)
         self._hello = rep
         changed = self._instance is not None and self._instance != rep.instance
@@ -208,9 +257,7 @@ class MPClient:
                                   "(the server must run on this machine, as this user)") from None
         try:
             st = os.fstat(fd)
-            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise ServerError(P.E_AUTH, f"pool {rep.pool_path} is not private to this user "
-                                            f"(uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))})")
+            self._trust(auth.check_pool_file, rep.pool_path, st)
             if st.st_size < rep.pool_size:
                 raise ServerError(P.E_INTERNAL, f"pool {rep.pool_path} has {st.st_size} bytes, "
                                                 f"server says {rep.pool_size}")
@@ -223,9 +270,41 @@ class MPClient:
         finally:
             os.close(fd)
         if self._mmap is not None:
-            self._old_maps.append(self._mmap)  # views of the old pool may still be out there
-        self._mmap = m
+            self._old_maps.append([self._mmap, self._tensor])  # views of it may still be out there
+        self._mmap, self._tensor = m, None
         self._pool_path = rep.pool_path
+        self._unmap_old()
+
+    def _unmap_old(self) -> None:
+        """Unmap the pools of earlier server instances once nothing uses them any more, so that
+        restarts do not pile up dead pools in this process (each as big as ``--l1-bytes``).
+
+        In use means: a memoryview of it exists (``mmap.close`` refuses), or a torch view of
+        it (a tensor made by :meth:`pool_tensor` that someone still holds, or a slice of it).
+        ``before_unmap(tensor)`` runs first (e.g. ``cudaHostUnregister``)."""
+        keep = []
+        for entry in self._old_maps:
+            if entry[1] is not None:
+                if _torch_views_alive(entry):
+                    keep.append(entry)
+                    continue
+                if self.before_unmap is not None:
+                    self.before_unmap(entry[1])
+                entry[1] = None  # the last reference: its storage goes, and with it its hold on the mmap
+            m = entry[0]
+            if sys.getrefcount(m) > _MMAP_BASE_REFS:  # a tensor's storage (or anything else) holds it
+                keep.append(entry)
+                continue
+            try:
+                m.close()
+            except BufferError:
+                keep.append(entry)
+        self._old_maps = keep
+
+    @property
+    def mapped_pools(self) -> int:
+        """Pools this process still maps: the current one and earlier ones still in use."""
+        return len(self._old_maps) + (self._mmap is not None)
 
     def _exchange(self, op: str, body: msgspec.Struct, deadline: float):
         """One request/reply on the current socket; TierUnavailable on timeout or a dead socket."""
@@ -287,6 +366,8 @@ class MPClient:
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TierUnavailable(f"cache server client busy for {self.timeout_s} s")
         try:
+            if self._old_maps:
+                self._unmap_old()
             if self._sock is None or self._hello is None:
                 if time.monotonic() < self._down_until:
                     raise TierUnavailable(f"cache server {self.address} unavailable (retrying in "
@@ -300,6 +381,8 @@ class MPClient:
                 if op == "hello":
                     return self._hello
                 self._raise_if_restarted(changed, op)
+            if op == "hello":
+                return self._hello
             try:
                 rep = self._exchange(op, body, deadline)
             except _SessionLost:
@@ -322,8 +405,6 @@ class MPClient:
                 except Exception:
                     self._disconnect(backoff=True)
                     raise
-            if op == "hello":
-                self._after_hello(rep)
             return rep
         finally:
             self._lock.release()
@@ -344,7 +425,8 @@ class MPClient:
                 continue  # disconnected (the next call reconnects) or a call is in flight
             try:
                 if self._sock is not None and self._hello is not None:
-                    deadline = time.monotonic() + self.timeout_s
+                    # short: calls on an engine step wait for this lock (a missed beat is harmless)
+                    deadline = time.monotonic() + min(self.timeout_s, HEARTBEAT_TIMEOUT_S)
                     try:
                         self._exchange("heartbeat", P.Empty(), deadline)
                     except _SessionLost:
@@ -358,9 +440,9 @@ class MPClient:
 
     # ------------------------------------------------------------------ API
     def hello(self) -> dict[str, Any]:
-        """Connect (if needed), check the protocol version, map the pool; the server's hello fields."""
-        rep = self._call("hello", P.HelloReq(self.client_name, os.getpid(), self.token))
-        return msgspec.structs.asdict(rep)
+        """Connect (if needed): check the protocol version, authenticate both ends, map the pool;
+        the server's hello fields."""
+        return msgspec.structs.asdict(self._call("hello", None))
 
     def _ensure(self) -> None:
         if self._hello is None or self._mmap is None or os.getpid() != self._pid:
@@ -374,11 +456,15 @@ class MPClient:
         return memoryview(self._mmap)
 
     def pool_tensor(self):
-        """The pool as a 1-D ``torch.uint8`` tensor over the same memory (no copy); needs torch."""
+        """The pool as a 1-D ``torch.uint8`` tensor over the same memory (no copy; the same
+        tensor until the server changes); needs torch.  Drop it and its views after a restart:
+        the old pool is unmapped once nothing holds any of them."""
         import torch
 
         self._ensure()
-        return torch.frombuffer(self._mmap, dtype=torch.uint8)
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return self._tensor
 
     @property
     def pool_generation(self) -> int:
@@ -390,6 +476,12 @@ class MPClient:
         """The connected server's lease time (0 when not connected); no I/O."""
         hello = self._hello
         return float(hello.lease_s) if hello is not None else 0.0
+
+    @property
+    def reserve_s(self) -> float:
+        """How long the connected server keeps a reservation uncommitted (0 when not connected)."""
+        hello = self._hello
+        return float(hello.reserve_s) if hello is not None else 0.0
 
     @property
     def pool_size(self) -> int:
@@ -426,7 +518,7 @@ class MPClient:
         return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted)
 
     def resolve(self, lease_id: int, keys: Sequence[bytes], group: int, rank: int,
-                world: int) -> list[tuple[int, int]]:
+                world: int, timeout_s: float | None = None) -> list[tuple[int, int]]:
         """(offset, nbytes) of the (group, rank, world) object of each key, in key order.
 
         Only objects pinned by ``lease_id``: any other key fails the whole call
@@ -434,7 +526,7 @@ class MPClient:
         """
         if not keys:
             return []
-        rep = self._call("resolve", P.ResolveReq(lease_id, _key_blob(keys), group, rank, world))
+        rep = self._call("resolve", P.ResolveReq(lease_id, _key_blob(keys), group, rank, world), timeout_s)
         if len(rep.offsets) != len(keys) or len(rep.sizes) != len(keys):
             raise ServerError(P.E_INTERNAL, f"resolve returned {len(rep.offsets)} objects for {len(keys)} keys")
         size = len(self._mmap) if self._mmap is not None else 0
@@ -451,38 +543,47 @@ class MPClient:
         r = self._call("release", P.LeaseReq(lease_id))
         return LeaseReport(r.found, r.pinned_objects, r.pinned_bytes, r.resolved_objects, r.resolved_bytes)
 
-    def reserve(self, items: Iterable[tuple[bytes, int]]) -> list[int | None]:
-        """Room for each (object_id, nbytes); an offset, or None (exists already, or no room)."""
+    def reserve(self, items: Iterable[tuple[bytes, int]],
+                timeout_s: float | None = None) -> list[Reservation | None]:
+        """Room for each (object_id, nbytes): its offset (a :class:`Reservation`), or None
+        (exists already, or no room)."""
         items = list(items)
         if not items:
             return []
         ids = b"".join(oid for oid, _ in items)
         if len(ids) != P.OBJECT_ID_SIZE * len(items):
             raise ValueError(f"object ids must be {P.OBJECT_ID_SIZE} bytes (use object_id())")
-        rep = self._call("reserve", P.ReserveReq(ids, [int(n) for _, n in items]))
+        rep = self._call("reserve", P.ReserveReq(ids, [int(n) for _, n in items]), timeout_s)
         if len(rep.offsets) != len(items):
             raise ServerError(P.E_INTERNAL, "reserve reply has the wrong length")
-        return [o if o >= 0 else None for o in rep.offsets]
+        if len(rep.epochs) != len(items):
+            raise ServerError(P.E_INTERNAL, "reserve reply has the wrong number of epochs")
+        return [Reservation(o, e) if o >= 0 else None for o, e in zip(rep.offsets, rep.epochs)]
 
-    def commit(self, object_ids: Sequence[bytes]) -> list[bool]:
-        """Make reserved objects visible (their bytes must be written); False: not committed
-        (not reserved by this client any more, or its header does not name the object)."""
+    def commit(self, object_ids: Sequence[bytes], reservations: Sequence[Reservation],
+               timeout_s: float | None = None) -> list[bool]:
+        """Make reserved objects visible (their bytes must be written), each naming the
+        reservation :meth:`reserve` gave for it; False: not committed (not reserved by this
+        client any more, a later reservation replaced it, or its header does not name the object)."""
+        if len(object_ids) != len(reservations):
+            raise ValueError(f"{len(object_ids)} object ids for {len(reservations)} reservations")
         if not object_ids:
             return []
-        rep = self._call("commit", P.IdsReq(_id_blob(object_ids)))
+        rep = self._call("commit", P.CommitReq(_id_blob(object_ids), [r.epoch for r in reservations]),
+                         timeout_s)
         return [s == P.COMMIT_OK for s in rep.status]
 
-    def abort(self, object_ids: Sequence[bytes]) -> int:
+    def abort(self, object_ids: Sequence[bytes], timeout_s: float | None = None) -> int:
         """Give reservations back without committing; the number given back."""
         if not object_ids:
             return 0
-        return self._call("abort", P.IdsReq(_id_blob(object_ids))).aborted
+        return self._call("abort", P.IdsReq(_id_blob(object_ids)), timeout_s).aborted
 
-    def drop(self, object_ids: Sequence[bytes]) -> int:
+    def drop(self, object_ids: Sequence[bytes], timeout_s: float | None = None) -> int:
         """Report objects that failed verification: the server drops them (L1 and L2)."""
         if not object_ids:
             return 0
-        return self._call("drop", P.IdsReq(_id_blob(object_ids))).dropped
+        return self._call("drop", P.IdsReq(_id_blob(object_ids)), timeout_s).dropped
 
     def heartbeat(self) -> None:
         self._call("heartbeat", P.Empty())
@@ -528,6 +629,27 @@ class MPClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: references to an old pool's mmap that :meth:`MPClient._unmap_old` itself holds while it checks
+#: (its entry list, the loop variable, getrefcount's argument)
+_MMAP_BASE_REFS = 3
+
+
+def _torch_views_alive(entry: list) -> bool:
+    """Whether anything but ``entry`` still uses the storage of its tensor ``entry[1]`` (another
+    Python reference to it, or a view/slice of it).  Unknown (no such counter in this torch):
+    assume so."""
+    import torch
+
+    if sys.getrefcount(entry[1]) > 2:  # the entry, getrefcount's argument
+        return True
+    tensor = entry[1]
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return True
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata) > 2  # this tensor and the ``storage`` wrapper
 
 
 def _key_blob(keys: Sequence[bytes]) -> bytes:

@@ -1,0 +1,124 @@
+"""Who may talk to the cache server, and how each side proves it (server and client both use this).
+
+* **The token** is a shared secret of at least 16 characters, read from a file (mode 0600,
+  owned by the reader) or the ``VLLM_KVPLUGIN_TOKEN`` environment variable -- never from a
+  command line, which every local user can read in ``/proc``.  Every TCP listener needs
+  one, loopback included (loopback is reachable by every local user).
+* **It is never sent.**  ``hello`` carries a client nonce; the reply carries a server nonce
+  and the server's proof ``HMAC(token, "server" | client nonce | server nonce)``.  The
+  client checks that proof *before it maps the server's pool or sends anything else*, then
+  answers ``auth`` with its own proof ``HMAC(token, "client" | server nonce | client nonce)``.
+  A peer that does not know the token learns nothing it could replay (fresh nonces).
+* **Unix sockets** are reachable by the owner only (socket 0600 in a 0700 directory), and
+  the server checks every new session's peer credentials (``SO_PEERCRED``): a process of
+  another user is refused even where the file modes were loosened.  A client also refuses a
+  socket whose directory is not owned by it or is writable by others (a directory another
+  user could have pre-created to put a fake server in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import socket
+import stat
+import struct
+
+TOKEN_ENV = "VLLM_KVPLUGIN_TOKEN"
+MIN_TOKEN_CHARS = 16
+NONCE_BYTES = 16
+#: a pool file's name: owner uid, server pid, random part
+POOL_NAME = re.compile(r"^vllm-kvplugin-(\d+)-(\d+)-[0-9a-f]+\.pool$")
+
+
+class AuthError(Exception):
+    """Authentication or a trust check failed; the message says which and why."""
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def proof(token: str, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(token.encode(), role + b"\x00" + first + second, hashlib.sha256).digest()
+
+
+def server_proof(token: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return proof(token, b"vllm-kvplugin/server", client_nonce, server_nonce)
+
+
+def client_proof(token: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return proof(token, b"vllm-kvplugin/client", server_nonce, client_nonce)
+
+
+def check_proof(got: bytes, want: bytes) -> bool:
+    return len(got) == len(want) and hmac.compare_digest(got, want)
+
+
+def read_token(path: str | None, what: str) -> str | None:
+    """The token from ``path`` (a private file of this user), else from ``$VLLM_KVPLUGIN_TOKEN``;
+    None when neither is given.  ``what`` names the setting in errors."""
+    if path:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise AuthError(f"{what} {path!r}: cannot open ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise AuthError(f"{what} {path!r}: must be a regular file of this user that nobody else "
+                                f"can read (mode {oct(stat.S_IMODE(st.st_mode))}, uid {st.st_uid})")
+            token = os.read(fd, 4096).decode().strip()
+        finally:
+            os.close(fd)
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            return None
+    if len(token) < MIN_TOKEN_CHARS:
+        raise AuthError(f"{what}: the token must have at least {MIN_TOKEN_CHARS} characters")
+    return token
+
+
+def peer_uid(fd: int) -> int:
+    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    s = socket.socket(fileno=os.dup(fd))
+    try:
+        _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+    finally:
+        s.close()
+    return uid
+
+
+def check_socket_dir(path: str) -> None:
+    """The Unix socket's directory must be this user's and writable by nobody else."""
+    parent = os.path.dirname(path) or "."
+    try:
+        st = os.stat(parent)
+    except OSError as exc:
+        raise AuthError(f"socket directory {parent}: {exc.strerror}") from None
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o022:
+        raise AuthError(f"socket directory {parent} belongs to uid {st.st_uid} with mode "
+                        f"{oct(stat.S_IMODE(st.st_mode))}: a server there cannot be trusted (it must "
+                        "be this user's and writable by nobody else)")
+
+
+def check_pool_file(path: str, st: os.stat_result) -> None:
+    """A pool a server names must be its pool: a regular private file of this user with the
+    pool's name, not a link to anything else, in a directory nobody else may rename files in."""
+    base = os.path.basename(path)
+    m = POOL_NAME.match(base)
+    if not m or int(m.group(1)) != os.getuid():
+        raise AuthError(f"pool {path}: not a pool file of this user (its name)")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        raise AuthError(f"pool {path}: not a plain file (links: {st.st_nlink})")
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise AuthError(f"pool {path} is not private to this user (uid {st.st_uid}, mode "
+                        f"{oct(stat.S_IMODE(st.st_mode))})")
+    dst = os.stat(os.path.dirname(path) or ".")
+    sticky_or_mine = dst.st_uid == os.getuid() or dst.st_mode & stat.S_ISVTX
+    if stat.S_IMODE(dst.st_mode) & 0o002 and not sticky_or_mine:
+        raise AuthError(f"pool {path}: its directory is writable by every user and not sticky")
