@@ -52,12 +52,20 @@ def prompt(length: int, seed: int, vocab: int = 4000) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(length)]
 
 
+#: ``server_step_timeout_s`` of test engines: on the shared 2-core CI box a server reply can
+#: wait for a time slice longer than the 50 ms default, and a test of hit counts must not depend
+#: on scheduling luck (the stall test sets the default explicitly)
+TEST_STEP_TIMEOUT_S = 2.0
+
+
 def engine(model: str, block_size: int, connector: dict | None, max_model_len: int = 20_000,
            kv_bytes: int = 256 << 20, budget: int | None = None, **kw):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     ktc = None
+    if connector is not None and "server" in connector:
+        connector = {"server_step_timeout_s": TEST_STEP_TIMEOUT_S, **connector}
     if connector is not None:
         ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
                                kv_connector_extra_config=connector)

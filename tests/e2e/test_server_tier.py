@@ -144,10 +144,10 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
             if when == "during-store":
                 orig = mp.ServerStore.reserve
 
-                def reserve_then_die(self, items):
-                    offs = orig(self, items)
+                def reserve_then_die(self, jobs, items):
+                    targets = orig(self, jobs, items)
                     server.kill9()
-                    return offs
+                    return targets
 
                 monkeypatch.setattr(mp.ServerStore, "reserve", reserve_then_die)
                 assert generate(llm, [p])[0].token_ids == want_p
@@ -210,7 +210,7 @@ def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, mon
     bytes already in hand), the leases' release and the stores of a cold request prefilled
     meanwhile (reserve: bounded by server_step_timeout_s, then backed off) must not wait on it,
     and a request arriving meanwhile waits alone; every step of the running requests stays
-    short, while a call waiting on the server would take server_timeout_s (5 s)."""
+    short, while a call waiting on the server would take server_timeout_s (10 s)."""
     import signal
 
     from vllm import SamplingParams
@@ -220,8 +220,8 @@ def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, mon
     prompts = [prompt(6 * CHUNK + 3, seed=600 + i) for i in range(4)]
     late = prompt(3 * CHUNK + 1, seed=700)
     cold = prompt(24 * CHUNK + 1, seed=650)
-    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
-                 budget=8 * CHUNK)
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address,
+                                   "server_timeout_s": 10.0, "server_step_timeout_s": 0.05}, budget=8 * CHUNK)
     try:
         want = [r.token_ids for r in generate(llm, prompts, max_tokens=24)]
         claim, claimed = smod.SchedulerSide.update_state_after_alloc, []
@@ -254,7 +254,9 @@ def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, mon
         server.proc.send_signal(signal.SIGCONT)
         assert [list(outs[f"r{i}"].outputs[0].token_ids) for i in range(4)] == want
         assert all(outs[f"r{i}"].num_cached_tokens == 6 * CHUNK for i in range(4))
-        assert max(steps) < 0.5, f"a step waited on the stopped server: {max(steps):.2f} s"
+        # a call that waited on the server would take 10 s; the slack is for a loaded 2-core box
+        # (an unloaded run here: 64 ms at most, one reserve meeting the stopped server)
+        assert max(steps) < 3.0, f"a step waited on the stopped server: {max(steps):.2f} s"
         assert counters.WORKER.snapshot()["server_store_errors"] > store_errors  # stores met it
     finally:
         server.proc.send_signal(signal.SIGCONT)
@@ -272,6 +274,7 @@ def test_server_restarts_leave_one_pool_mapped(qwen3_model, workdir):
     """Five restarts under a running engine: each new server's pool is mapped, each old one is
     unmapped once the engine stops using it (before: every restart kept --l1-bytes mapped in
     every engine process), and hits come from the new server."""
+    before = _mapped_pools()  # engines of earlier tests in this process may still map theirs
     srv = ServerProc(workdir, "--l1-bytes", "64MiB").start()
     llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address})
     try:
@@ -282,13 +285,13 @@ def test_server_restarts_leave_one_pool_mapped(qwen3_model, workdir):
             srv.start()
             for attempt in range(3):  # the first calls to meet the new instance fail: a miss
                 generate(llm, [prompt(3 * CHUNK + 2, seed=810 + 10 * i + attempt)])
-            pools = _mapped_pools()
+            pools = _mapped_pools() - before
             assert len(pools) == 1, f"after restart {i + 1}: {sorted(pools)}"
         back = generate(llm, [base])[0]  # stored again into the current server, then a hit
         again = generate(llm, [base])[0]
         assert back.token_ids == want and again.token_ids == want
         assert again.num_cached_tokens == 4 * CHUNK
-        assert len(_mapped_pools()) == 1
+        assert len(_mapped_pools() - before) == 1
     finally:
         shutdown(llm)
         srv.stop()

@@ -54,3 +54,49 @@ def test_a_failed_registration_leaves_no_error_behind(caplog):
         _page_lock(torch.empty(0, dtype=torch.uint8))
     assert "cudaHostRegister of the server pool" in caplog.text
     _next_cuda_op()
+
+
+def test_restarts_unregister_and_unmap_the_old_pools(tmp_path):
+    """A pinning worker under 3 server restarts: each new pool is page-locked once, each old one
+    unregistered (cudaHostUnregister) and unmapped once nothing uses it; copies keep landing."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
+    from srvutil import ServerProc
+
+    from vllm_kvplugin.config import KVPluginConfig
+    from vllm_kvplugin.tiers.mp import ServerStore
+    from vllm_kvplugin.tiers.mp_client import TierUnavailable
+
+    short = os.path.join("/tmp", f"kvg-{os.getpid()}")
+    os.makedirs(short, exist_ok=True)
+    srv = ServerProc(short, "--l1-bytes", "64MiB").start()
+    cfg = KVPluginConfig.from_extra_config({"server": srv.address, "cpu_bytes": 0})
+    ws = ServerStore(cfg, rank=0, world=1, name="gpu-worker", pin_for_cuda=True)
+    try:
+        first = ws._pool()
+        assert first.is_pinned()
+        del first
+        for _ in range(3):
+            assert srv.stop() == 0
+            srv.start()
+            for _attempt in range(3):  # the call that meets the new instance fails once
+                try:
+                    ws._client.stats()
+                    break
+                except TierUnavailable:
+                    pass
+            pool = ws._pool()
+            assert pool.is_pinned()
+            src = torch.randint(0, 256, (4096,), dtype=torch.uint8, device="cuda")
+            pool[:4096].copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(pool[:4096].cpu(), src.cpu())
+            del pool
+            ws._client.stats()  # a call: the old pools are checked and let go
+            assert ws._client.mapped_pools == 1 and len(ws._registered) == 1
+        _next_cuda_op()  # no CUDA error left behind by the unregistrations
+    finally:
+        ws.close()
+        srv.stop()

@@ -221,7 +221,7 @@ class ServerStore:
         A new server instance means a new mapping at a new address, so each mapping is
         registered once (and unregistered before the client unmaps it, once it is unused).
         """
-        tensor = _call(self._client.pool_tensor)  # connects first: then read the generation
+        tensor = _call(self._client.pool_tensor, self.step_s)  # connects first: then read the generation
         gen = self._client.pool_generation
         if self._tensor is None or gen != self._generation or tensor.data_ptr() != self._tensor.data_ptr():
             if self._pin and _page_lock(tensor):

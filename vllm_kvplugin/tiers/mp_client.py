@@ -444,9 +444,9 @@ class MPClient:
         the server's hello fields."""
         return msgspec.structs.asdict(self._call("hello", None))
 
-    def _ensure(self) -> None:
+    def _ensure(self, timeout_s: float | None = None) -> None:
         if self._hello is None or self._mmap is None or os.getpid() != self._pid:
-            self.hello()
+            self._call("hello", None, timeout_s)
 
     def pool_view(self) -> memoryview:
         """The whole pool, read/write (hello first if needed).  Invalid after a server restart:
@@ -455,13 +455,13 @@ class MPClient:
         assert self._mmap is not None
         return memoryview(self._mmap)
 
-    def pool_tensor(self):
+    def pool_tensor(self, timeout_s: float | None = None):
         """The pool as a 1-D ``torch.uint8`` tensor over the same memory (no copy; the same
         tensor until the server changes); needs torch.  Drop it and its views after a restart:
         the old pool is unmapped once nothing holds any of them."""
         import torch
 
-        self._ensure()
+        self._ensure(timeout_s)
         if self._tensor is None:
             self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         return self._tensor

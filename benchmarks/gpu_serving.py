@@ -1,0 +1,176 @@
+"""Throughput under a serving load on a GPU: many concurrent requests, 0% and 80% prefix reuse.
+
+Run on the H200 with vLLM's GPU wheel (``bash compat/gpulane/bench.sh serving``).  The model is
+``gpu_ttft``'s (Qwen3-8B's KV shape, random weights).  Modes, each in its own engine process
+(in-process engine core, eager), the same prompts in the same order:
+
+* ``baseline`` - no connector;
+* ``kvplugin`` - KVPluginConnector, in-process tier;
+* ``kvplugin-server`` - KVPluginConnector through a ``vllm-kvplugin server`` process;
+* ``vllm-offloading`` - vLLM's own ``OffloadingConnector``.
+
+Per mode: one unmeasured batch (first-use costs), then
+
+* ``reuse_0``:  ``--streams`` prompts of ``--prompt-tokens`` unique tokens, submitted together
+  (one ``generate`` call: vLLM batches them), ``--max-tokens`` greedy tokens each.  Every chunk
+  is new, so a connector can only cost here (lookups that miss, stores);
+* ``reuse_80``: vLLM's GPU prefix cache reset, then prompts whose first 80% (rounded down to a
+  whole chunk) are those of ``reuse_0`` and whose rest is new: the shared part can only come from
+  a connector.
+
+Throughput = (prompt + generated tokens) / wall seconds of the batch.  The results are JSON with
+the machine and versions, and each mode's throughput over the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC  # noqa: E402
+from ttft_common import run_modes, start_server, tokens  # noqa: E402
+
+MODES = "baseline,kvplugin,kvplugin-server,vllm-offloading"
+
+
+def _batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n = sum(len(p) for p in prompts) + sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"wall_s": round(wall, 4), "tokens": n, "tokens_per_s": round(n / wall, 1),
+            "cached_tokens": sum(int(o.num_cached_tokens or 0) for o in outs),
+            "outputs": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def run_mode(mode: str, model: str, streams: int, prompt_tokens: int, max_tokens: int, chunk: int,
+             block: int, server: str | None, host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
+    """One engine, the warm-up batch and the two measured batches; runs in a child process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    import vllm_kvplugin
+
+    ktc = None
+    if mode.startswith("kvplugin"):
+        extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode == "kvplugin-server" else host_bytes}
+        if server:
+            extra["server"] = server
+        ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    elif mode == "vllm-offloading":
+        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"cpu_bytes_to_use": host_bytes})
+    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=prompt_tokens + max_tokens + 16,
+              enforce_eager=True, kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5,
+              block_size=block, kv_transfer_config=ktc, seed=0)
+    shared = (prompt_tokens * 8 // 10) // chunk * chunk
+    first = [tokens(prompt_tokens, 1000 + i) for i in range(streams)]
+    second = [p[:shared] + tokens(prompt_tokens - shared, 2000 + i) for i, p in enumerate(first)]
+    _batch(llm, [tokens(prompt_tokens, 3000 + i) for i in range(streams)], max_tokens)  # first use
+    llm.reset_prefix_cache()
+    rows = {"reuse_0": _batch(llm, first, max_tokens)}
+    time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
+    llm.reset_prefix_cache()
+    rows["reuse_80"] = _batch(llm, second, max_tokens)
+    rows["reuse_80"]["shared_tokens_per_prompt"] = shared
+    stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
+    return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default=MODES)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--out", default=str(HERE / "results" / "gpu-serving-h200.json"))
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--server", default=None)
+    ap.add_argument("--host-bytes", type=int, default=HOST_BYTES)
+    ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_mode(args.child, args.model, args.streams, args.prompt_tokens,
+                                                 args.max_tokens, args.chunk, args.block, args.server,
+                                                 args.host_bytes, args.kv_bytes)))
+        return 0
+    model = args.model
+    if model is None:
+        built = subprocess.run([sys.executable, str(HERE / "gpu_ttft.py"), "--build"], capture_output=True, text=True)
+        if built.returncode != 0 or "MODEL " not in built.stdout:
+            raise SystemExit(f"model build failed:\n{built.stderr[-3000:]}")
+        model = built.stdout.split("MODEL ", 1)[1].strip()
+    server = None
+    if "kvplugin-server" in args.modes.split(","):
+        server, args.server = start_server(args.host_bytes)
+
+    def child_args(mode: str) -> list[str]:
+        return (["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
+                 "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
+                 "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
+                + (["--server", args.server] if mode == "kvplugin-server" else []))
+
+    results, errors = run_modes(__file__, args.modes.split(","), child_args, keep_going=True)
+    if server is not None:
+        server.terminate()
+        server.wait(30)
+    import torch
+    import vllm
+
+    from vllm_kvplugin import __version__
+
+    by_mode = {r["mode"]: r["rows"] for r in results}
+    base = by_mode.get("baseline")
+    summary = []
+    for case in ("reuse_0", "reuse_80"):
+        row: dict = {"case": case}
+        for mode, rows in by_mode.items():
+            r = rows[case]
+            row[f"{mode}_tokens_per_s"] = r["tokens_per_s"]
+            row[f"{mode}_cached_tokens"] = r["cached_tokens"]
+            if base is not None:
+                row[f"{mode}_over_baseline"] = round(r["tokens_per_s"] / base[case]["tokens_per_s"], 3)
+                row[f"{mode}_outputs_match_baseline"] = r["outputs"] == base[case]["outputs"]
+        summary.append(row)
+    for rows in by_mode.values():
+        for r in rows.values():
+            r.pop("outputs", None)
+    gpu = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if gpu else None
+    doc = {
+        "benchmark": "gpu_serving", "date": time.strftime("%Y-%m-%d"),
+        "machine": {"gpu": torch.cuda.get_device_name(0) if gpu else None,
+                    "gpu_memory_GiB": round(props.total_memory / 2**30, 1) if props else None,
+                    "cores": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "vllm_kvplugin": __version__},
+        "model": SPEC, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens, "block_size": args.block, "chunk_size": args.chunk,
+        "summary": summary, "modes": results, "errors": errors,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    for row in summary:
+        print(" | ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("match_baseline")))
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
