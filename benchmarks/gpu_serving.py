@@ -9,7 +9,8 @@ Run on the H200 with vLLM's GPU wheel (``bash compat/gpulane/bench.sh serving``)
 * ``kvplugin-server`` - KVPluginConnector through a ``vllm-kvplugin server`` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector``.
 
-Per mode: one unmeasured batch (first-use costs), then
+Per mode: one unmeasured batch (first-use costs), then ``--repeats`` times (fresh prompts each
+time; the median is reported, every batch is kept):
 
 * ``reuse_0``:  ``--streams`` prompts of ``--prompt-tokens`` unique tokens, submitted together
   (one ``generate`` call: vLLM batches them), ``--max-tokens`` greedy tokens each.  Every chunk
@@ -18,7 +19,8 @@ Per mode: one unmeasured batch (first-use costs), then
   whole chunk) are those of ``reuse_0`` and whose rest is new: the shared part can only come from
   a connector.
 
-Throughput = (prompt + generated tokens) / wall seconds of the batch.  The results are JSON with
+Throughput = (prompt + generated tokens) / wall seconds of the batch (one batch moved by up to
+15% between runs on the H200: hence the repeats).  The results are JSON with
 the machine and versions, and each mode's throughput over the baseline's.
 """
 
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -56,7 +59,8 @@ def _batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def run_mode(mode: str, model: str, streams: int, prompt_tokens: int, max_tokens: int, chunk: int,
-             block: int, server: str | None, host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
+             block: int, server: str | None, host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES,
+             repeats: int = 3) -> dict:
     """One engine, the warm-up batch and the two measured batches; runs in a child process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -78,14 +82,22 @@ def run_mode(mode: str, model: str, streams: int, prompt_tokens: int, max_tokens
               enforce_eager=True, kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5,
               block_size=block, kv_transfer_config=ktc, seed=0)
     shared = (prompt_tokens * 8 // 10) // chunk * chunk
-    first = [tokens(prompt_tokens, 1000 + i) for i in range(streams)]
-    second = [p[:shared] + tokens(prompt_tokens - shared, 2000 + i) for i, p in enumerate(first)]
-    _batch(llm, [tokens(prompt_tokens, 3000 + i) for i in range(streams)], max_tokens)  # first use
-    llm.reset_prefix_cache()
-    rows = {"reuse_0": _batch(llm, first, max_tokens)}
-    time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
-    llm.reset_prefix_cache()
-    rows["reuse_80"] = _batch(llm, second, max_tokens)
+    _batch(llm, [tokens(prompt_tokens, 900_000 + i) for i in range(streams)], max_tokens)  # first use
+    runs: dict[str, list[dict]] = {"reuse_0": [], "reuse_80": []}
+    for r in range(repeats):  # fresh prompts each repeat: every chunk of reuse_0 is new
+        first = [tokens(prompt_tokens, 1000 * (r + 1) + i) for i in range(streams)]
+        second = [p[:shared] + tokens(prompt_tokens - shared, 500_000 + 1000 * r + i) for i, p in enumerate(first)]
+        llm.reset_prefix_cache()
+        runs["reuse_0"].append(_batch(llm, first, max_tokens))
+        time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
+        llm.reset_prefix_cache()
+        runs["reuse_80"].append(_batch(llm, second, max_tokens))
+    rows = {}
+    for case, got in runs.items():
+        tps = [g["tokens_per_s"] for g in got]
+        rows[case] = {"tokens_per_s": statistics.median(tps), "tokens_per_s_each": tps,
+                      "wall_s_each": [g["wall_s"] for g in got], "cached_tokens": got[-1]["cached_tokens"],
+                      "outputs": got[0]["outputs"]}
     rows["reuse_80"]["shared_tokens_per_prompt"] = shared
     stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
     return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
@@ -105,11 +117,12 @@ def main() -> int:
     ap.add_argument("--server", default=None)
     ap.add_argument("--host-bytes", type=int, default=HOST_BYTES)
     ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
+    ap.add_argument("--repeats", type=int, default=3, help="batches per case (the median is reported)")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(run_mode(args.child, args.model, args.streams, args.prompt_tokens,
                                                  args.max_tokens, args.chunk, args.block, args.server,
-                                                 args.host_bytes, args.kv_bytes)))
+                                                 args.host_bytes, args.kv_bytes, args.repeats)))
         return 0
     model = args.model
     if model is None:
@@ -124,7 +137,8 @@ def main() -> int:
     def child_args(mode: str) -> list[str]:
         return (["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
                  "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
-                 "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
+                 "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
+                 "--repeats", str(args.repeats)]
                 + (["--server", args.server] if mode == "kvplugin-server" else []))
 
     results, errors = run_modes(__file__, args.modes.split(","), child_args, keep_going=True)
@@ -162,7 +176,7 @@ def main() -> int:
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
                      "vllm_kvplugin": __version__},
         "model": SPEC, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
-        "max_tokens": args.max_tokens, "block_size": args.block, "chunk_size": args.chunk,
+        "max_tokens": args.max_tokens, "block_size": args.block, "chunk_size": args.chunk, "repeats": args.repeats,
         "summary": summary, "modes": results, "errors": errors,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

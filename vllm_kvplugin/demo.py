@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             sock = f"unix://{work}/server.sock"
             _say(f"2/4 starting the cache server on {sock} ...")
             server = subprocess.Popen([sys.executable, "-m", "vllm_kvplugin.server", "--listen", sock,
-                                       "--l1-bytes", "2GiB", "--l2-dir", str(work / "l2")],
+                                       "--l1-bytes", "512MiB", "--l2-dir", str(work / "l2")],
                                       stdout=open(work / "server.log", "w"), stderr=subprocess.STDOUT)
             procs.append(server)
             _wait("cache server", lambda: Path(str(work / "server.sock")).exists(), 60, server)

@@ -40,7 +40,8 @@ def workdir():
 
 @pytest.fixture
 def server(workdir):
-    s = ServerProc(workdir, "--l1-bytes", "2GiB", "--l2-dir", os.path.join(workdir, "l2")).start()
+    # the pool's memory is allocated at start: keep it small on the shared CI box
+    s = ServerProc(workdir, "--l1-bytes", "512MiB", "--l2-dir", os.path.join(workdir, "l2")).start()
     yield s
     s.stop()
 

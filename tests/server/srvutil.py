@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import select
@@ -18,6 +19,12 @@ from vllm_kvplugin.server.protocol import object_id, split_object_id
 from vllm_kvplugin.tiers.mp_client import MPClient
 
 PY = sys.executable
+
+
+def _die_with_parent() -> None:
+    """In the server's child, before exec: SIGKILL when the test process dies (a crashed or
+    killed test worker must not leave a server, and its pool's memory, behind)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class ServerProc:
@@ -41,7 +48,8 @@ class ServerProc:
         self.starts += 1
         self.log = open(os.path.join(self.workdir, f"server-{self.starts}.log"), "w")
         env = dict(os.environ if self.env is None else self.env)
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:

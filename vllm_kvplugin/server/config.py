@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unix socket path, unix:///path, or tcp://127.0.0.1:PORT "
                         f"(default {default_address()})")
     p.add_argument("--l1-bytes", default="4GiB",
-                   help="size of the shared-memory pool (L1); pages are touched lazily (default 4GiB)")
+                   help="size of the shared-memory pool (L1), allocated at start (default 4GiB)")
     p.add_argument("--l2-dir", default=None, help="directory of the L2 chunk files (default: no L2)")
     p.add_argument("--l2-bytes", default="64GiB", help="byte budget of L2 (default 64GiB)")
     p.add_argument("--token-file", default=None,

@@ -26,9 +26,10 @@ a new instance re-maps the pool, increments :attr:`MPClient.pool_generation`
 and raises :class:`TierUnavailable` without sending its request, so a caller
 that drops its in-flight offsets and leases on ``TierUnavailable`` can never
 write an old offset into the new pool.  Views from :meth:`pool_view` /
-:meth:`pool_tensor` taken earlier stay mapped to the old (orphaned) pool, so
-late writes through them are harmless; threads sharing one client should
-compare ``pool_generation`` (or pass ``generation=`` to the helpers).  After a
+:meth:`pool_tensor` taken earlier stay mapped to the old (orphaned) pool until
+the last one is gone (:mod:`.mp_pool`), so late writes through them are
+harmless; threads sharing one client should compare ``pool_generation`` (or
+pass ``generation=`` to the helpers).  After a
 failure, calls fail fast (no socket I/O) for ``retry_s`` so that a missing
 server costs the caller nothing per request.  Server-side refusals (unknown
 lease, invalid request) raise :class:`ServerError` with the protocol's code.
@@ -37,9 +38,7 @@ lease, invalid request) raise :class:`ServerError` with the protocol's code.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -53,6 +52,7 @@ from vllm_kvplugin.server import auth
 from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.protocol import object_id
+from vllm_kvplugin.tiers.mp_pool import PoolFileError, PoolMaps
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,6 @@ class MPClient:
                               else float(lookup_wait_s))
         self._heartbeat_on = heartbeat
         self._closed = False
-        #: called with an old pool's tensor before that pool is unmapped (e.g. cudaHostUnregister)
-        self.before_unmap = None
         self._init_process_state()
 
     # ------------------------------------------------------------------ process state
@@ -146,10 +144,7 @@ class MPClient:
         self._hello: P.HelloRep | None = None
         self._down_until = 0.0
         self._req_id = 0
-        self._mmap: mmap.mmap | None = None
-        self._pool_path: str | None = None
-        self._tensor = None  # the pool as a torch tensor, made once per mapping
-        self._old_maps: list[list] = []  # [mmap, tensor or None] of earlier servers' pools
+        self._pools = PoolMaps()
         self._generation = 0
         self._instance: str | None = None
         self._hb_stop = threading.Event()
@@ -248,63 +243,27 @@ class MPClient:
         return changed
 
     def _map_pool(self, rep: P.HelloRep) -> None:
-        if self._mmap is not None and self._pool_path == rep.pool_path and len(self._mmap) == rep.pool_size:
+        if self._pools.is_current(rep.pool_path, rep.pool_size):
             return
         try:
-            fd = os.open(rep.pool_path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise TierUnavailable(f"cannot map the server's pool {rep.pool_path}: {exc} "
-                                  "(the server must run on this machine, as this user)") from None
-        try:
-            st = os.fstat(fd)
-            self._trust(auth.check_pool_file, rep.pool_path, st)
-            if st.st_size < rep.pool_size:
-                raise ServerError(P.E_INTERNAL, f"pool {rep.pool_path} has {st.st_size} bytes, "
-                                                f"server says {rep.pool_size}")
-            # page tables are per process and a first touch costs a fault per 4 KiB page:
-            # with a prefaulted pool, fill them all now (cheap) instead of on each first copy
-            flags = mmap.MAP_SHARED
-            if rep.prefaulted:
-                flags |= getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(fd, rep.pool_size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        if self._mmap is not None:
-            self._old_maps.append([self._mmap, self._tensor])  # views of it may still be out there
-        self._mmap, self._tensor = m, None
-        self._pool_path = rep.pool_path
-        self._unmap_old()
-
-    def _unmap_old(self) -> None:
-        """Unmap the pools of earlier server instances once nothing uses them any more, so that
-        restarts do not pile up dead pools in this process (each as big as ``--l1-bytes``).
-
-        In use means: a memoryview of it exists (``mmap.close`` refuses), or a torch view of
-        it (a tensor made by :meth:`pool_tensor` that someone still holds, or a slice of it).
-        ``before_unmap(tensor)`` runs first (e.g. ``cudaHostUnregister``)."""
-        keep = []
-        for entry in self._old_maps:
-            if entry[1] is not None:
-                if _torch_views_alive(entry):
-                    keep.append(entry)
-                    continue
-                if self.before_unmap is not None:
-                    self.before_unmap(entry[1])
-                entry[1] = None  # the last reference: its storage goes, and with it its hold on the mmap
-            m = entry[0]
-            if sys.getrefcount(m) > _MMAP_BASE_REFS:  # a tensor's storage (or anything else) holds it
-                keep.append(entry)
-                continue
-            try:
-                m.close()
-            except BufferError:
-                keep.append(entry)
-        self._old_maps = keep
+            self._pools.map(rep.pool_path, rep.pool_size, rep.prefaulted,
+                            lambda path, st: self._trust(auth.check_pool_file, path, st))
+        except PoolFileError as exc:
+            raise TierUnavailable(str(exc)) from None
 
     @property
     def mapped_pools(self) -> int:
         """Pools this process still maps: the current one and earlier ones still in use."""
-        return len(self._old_maps) + (self._mmap is not None)
+        return self._pools.count
+
+    @property
+    def before_unmap(self):
+        """Called with an old pool's tensor before that pool is unmapped (e.g. cudaHostUnregister)."""
+        return self._pools.before_unmap
+
+    @before_unmap.setter
+    def before_unmap(self, fn) -> None:
+        self._pools.before_unmap = fn
 
     def _exchange(self, op: str, body: msgspec.Struct, deadline: float):
         """One request/reply on the current socket; TierUnavailable on timeout or a dead socket."""
@@ -366,8 +325,8 @@ class MPClient:
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TierUnavailable(f"cache server client busy for {self.timeout_s} s")
         try:
-            if self._old_maps:
-                self._unmap_old()
+            if self._pools.has_old:
+                self._pools.unmap_unused()
             if self._sock is None or self._hello is None:
                 if time.monotonic() < self._down_until:
                     raise TierUnavailable(f"cache server {self.address} unavailable (retrying in "
@@ -445,26 +404,21 @@ class MPClient:
         return msgspec.structs.asdict(self._call("hello", None))
 
     def _ensure(self, timeout_s: float | None = None) -> None:
-        if self._hello is None or self._mmap is None or os.getpid() != self._pid:
+        if self._hello is None or self._pools.mm is None or os.getpid() != self._pid:
             self._call("hello", None, timeout_s)
 
     def pool_view(self) -> memoryview:
         """The whole pool, read/write (hello first if needed).  Invalid after a server restart:
         check :attr:`pool_generation`."""
         self._ensure()
-        assert self._mmap is not None
-        return memoryview(self._mmap)
+        return memoryview(self._pools.mm)
 
     def pool_tensor(self, timeout_s: float | None = None):
         """The pool as a 1-D ``torch.uint8`` tensor over the same memory (no copy; the same
         tensor until the server changes); needs torch.  Drop it and its views after a restart:
         the old pool is unmapped once nothing holds any of them."""
-        import torch
-
         self._ensure(timeout_s)
-        if self._tensor is None:
-            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        return self._tensor
+        return self._pools.tensor()
 
     @property
     def pool_generation(self) -> int:
@@ -486,8 +440,7 @@ class MPClient:
     @property
     def pool_size(self) -> int:
         self._ensure()
-        assert self._mmap is not None
-        return len(self._mmap)
+        return len(self._pools.mm)
 
     def lookup(self, keys: Sequence[bytes], groups: int = 1, ranks: int = 1,
                world: int = 1) -> tuple[int, int]:
@@ -529,7 +482,7 @@ class MPClient:
         rep = self._call("resolve", P.ResolveReq(lease_id, _key_blob(keys), group, rank, world), timeout_s)
         if len(rep.offsets) != len(keys) or len(rep.sizes) != len(keys):
             raise ServerError(P.E_INTERNAL, f"resolve returned {len(rep.offsets)} objects for {len(keys)} keys")
-        size = len(self._mmap) if self._mmap is not None else 0
+        size = len(self._pools.mm) if self._pools.mm is not None else 0
         out = list(zip(rep.offsets, rep.sizes))
         for off, n in out:
             if off < 0 or n <= HEADER_SIZE or off + n > size:
@@ -629,27 +582,6 @@ class MPClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-#: references to an old pool's mmap that :meth:`MPClient._unmap_old` itself holds while it checks
-#: (its entry list, the loop variable, getrefcount's argument)
-_MMAP_BASE_REFS = 3
-
-
-def _torch_views_alive(entry: list) -> bool:
-    """Whether anything but ``entry`` still uses the storage of its tensor ``entry[1]`` (another
-    Python reference to it, or a view/slice of it).  Unknown (no such counter in this torch):
-    assume so."""
-    import torch
-
-    if sys.getrefcount(entry[1]) > 2:  # the entry, getrefcount's argument
-        return True
-    tensor = entry[1]
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return True
-    storage = tensor.untyped_storage()
-    return use_count(storage._cdata) > 2  # this tensor and the ``storage`` wrapper
 
 
 def _key_blob(keys: Sequence[bytes]) -> bytes:
