@@ -95,7 +95,7 @@ def run_mode(mode: str, model: str, streams: int, prompt_tokens: int, max_tokens
     rows = {}
     for case, got in runs.items():
         tps = [g["tokens_per_s"] for g in got]
-        rows[case] = {"tokens_per_s": statistics.median(tps), "tokens_per_s_each": tps,
+        rows[case] = {"tokens_per_s": round(statistics.median(tps), 1), "tokens_per_s_each": tps,
                       "wall_s_each": [g["wall_s"] for g in got], "cached_tokens": got[-1]["cached_tokens"],
                       "outputs": got[0]["outputs"]}
     rows["reuse_80"]["shared_tokens_per_prompt"] = shared

@@ -226,7 +226,10 @@ class ServerStore:
         if self._tensor is None or gen != self._generation or tensor.data_ptr() != self._tensor.data_ptr():
             if self._pin and _page_lock(tensor):
                 self._registered.add(tensor.data_ptr())
-            self._tensor, self._generation = tensor, gen
+            old, self._tensor, self._generation = self._tensor, tensor, gen
+            if old is not None:
+                del old
+                self._client.unmap_unused()  # the old pool goes now, unless views of it are still out
         return self._tensor
 
     def object_id(self, key: bytes, group: int) -> bytes:

@@ -251,6 +251,15 @@ class MPClient:
         except PoolFileError as exc:
             raise TierUnavailable(str(exc)) from None
 
+    def unmap_unused(self) -> None:
+        """Let go of earlier servers' pools that nothing uses any more (every call does this
+        too); skipped when another thread is inside a call."""
+        if self._pools.has_old and self._lock.acquire(timeout=0):
+            try:
+                self._pools.unmap_unused()
+            finally:
+                self._lock.release()
+
     @property
     def mapped_pools(self) -> int:
         """Pools this process still maps: the current one and earlier ones still in use."""
