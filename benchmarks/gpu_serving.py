@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC  # noqa: E402
-from ttft_common import run_modes, start_server, tokens  # noqa: E402
+from ttft_common import built_gpu_model, environment, run_modes, start_server, tokens  # noqa: E402
 
 MODES = "baseline,kvplugin,kvplugin-server,vllm-offloading"
 
@@ -126,10 +124,7 @@ def main() -> int:
         return 0
     model = args.model
     if model is None:
-        built = subprocess.run([sys.executable, str(HERE / "gpu_ttft.py"), "--build"], capture_output=True, text=True)
-        if built.returncode != 0 or "MODEL " not in built.stdout:
-            raise SystemExit(f"model build failed:\n{built.stderr[-3000:]}")
-        model = built.stdout.split("MODEL ", 1)[1].strip()
+        model = built_gpu_model(str(HERE / "gpu_ttft.py"))
     server = None
     if "kvplugin-server" in args.modes.split(","):
         server, args.server = start_server(args.host_bytes)
@@ -145,11 +140,6 @@ def main() -> int:
     if server is not None:
         server.terminate()
         server.wait(30)
-    import torch
-    import vllm
-
-    from vllm_kvplugin import __version__
-
     by_mode = {r["mode"]: r["rows"] for r in results}
     base = by_mode.get("baseline")
     summary = []
@@ -166,15 +156,8 @@ def main() -> int:
     for rows in by_mode.values():
         for r in rows.values():
             r.pop("outputs", None)
-    gpu = torch.cuda.is_available()
-    props = torch.cuda.get_device_properties(0) if gpu else None
     doc = {
-        "benchmark": "gpu_serving", "date": time.strftime("%Y-%m-%d"),
-        "machine": {"gpu": torch.cuda.get_device_name(0) if gpu else None,
-                    "gpu_memory_GiB": round(props.total_memory / 2**30, 1) if props else None,
-                    "cores": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "vllm_kvplugin": __version__},
+        "benchmark": "gpu_serving", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "block_size": args.block, "chunk_size": args.chunk, "repeats": args.repeats,
         "summary": summary, "modes": results, "errors": errors,

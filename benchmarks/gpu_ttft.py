@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +34,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from ttft_common import measure, print_table, run_modes, start_server, summarize  # noqa: E402
+from ttft_common import (  # noqa: E402
+    built_gpu_model,
+    environment,
+    measure,
+    print_table,
+    run_modes,
+    start_server,
+    summarize,
+)
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
 HOST_BYTES = 24 << 30  # every prompt of the run fits: no eviction in any mode
@@ -110,10 +116,7 @@ def main() -> int:
     t_build = time.time()  # in a child: this process keeps no CUDA memory the engines need
     model = args.model
     if model is None:
-        built = subprocess.run([sys.executable, __file__, "--build"], capture_output=True, text=True)
-        if built.returncode != 0 or "MODEL " not in built.stdout:
-            raise SystemExit(f"model build failed:\n{built.stderr[-3000:]}")
-        model = built.stdout.split("MODEL ", 1)[1].strip()
+        model = built_gpu_model(__file__)
     print(f"model built in {time.time() - t_build:.0f} s: {model}", file=sys.stderr, flush=True)
     server = None
     if "kvplugin-server" in args.modes.split(","):
@@ -129,11 +132,6 @@ def main() -> int:
     if server is not None:
         server.terminate()
         server.wait(30)
-    import torch
-    import vllm
-
-    from vllm_kvplugin import __version__
-
     summary = summarize(results, lengths,
                         {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
                          "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})
@@ -146,15 +144,8 @@ def main() -> int:
             link_s = row["kvplugin_warm_cached_tokens"] * bpt / link
             row["link_s"] = round(link_s, 4)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
-    gpu = torch.cuda.is_available()
-    props = torch.cuda.get_device_properties(0) if gpu else None
     doc = {
-        "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"),
-        "machine": {"gpu": torch.cuda.get_device_name(0) if gpu else None,
-                    "gpu_memory_GiB": round(props.total_memory / 2**30, 1) if props else None,
-                    "cores": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "vllm_kvplugin": __version__},
+        "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC if args.model is None else args.model, "kv_bytes_per_token": SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2,
         "block_size": args.block, "chunk_size": args.chunk, "host_bytes": args.host_bytes,
         "summary": summary, "modes": results, "errors": errors,

@@ -1,10 +1,13 @@
-"""What ``cpu_ttft.py`` and ``gpu_ttft.py`` share: a cache server for the run, one engine
-process per mode (the script itself with ``--child MODE``, printing one ``RESULT {json}``
-line), and the side-by-side summary of cold and warm TTFT per prompt length."""
+"""What the engine benchmarks (``cpu_ttft.py``, ``gpu_ttft.py``, ``gpu_serving.py``) share: a
+cache server for the run, one engine process per mode (the script itself with ``--child MODE``,
+printing one ``RESULT {json}`` line), the GPU model built in a child, the machine and versions
+of a result, and the side-by-side summary of cold and warm TTFT per prompt length."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import random
 import subprocess
 import sys
@@ -127,3 +130,28 @@ def print_table(summary: Sequence[dict], suffixes: tuple[str, ...]) -> None:
     print(" | ".join(cols))
     for row in summary:
         print(" | ".join(str(row.get(c, "")) for c in cols))
+
+
+def built_gpu_model(script: str) -> str:
+    """``python script --build`` (it prints ``MODEL path``) in a child: this process then keeps
+    no CUDA memory that the engines need."""
+    built = subprocess.run([sys.executable, script, "--build"], capture_output=True, text=True)
+    if built.returncode != 0 or "MODEL " not in built.stdout:
+        raise SystemExit(f"model build failed:\n{built.stderr[-3000:]}")
+    return built.stdout.split("MODEL ", 1)[1].strip()
+
+
+def environment() -> dict:
+    """``machine`` and ``versions`` of a result document."""
+    import torch
+    import vllm
+
+    from vllm_kvplugin import __version__
+
+    gpu = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if gpu else None
+    return {"machine": {"gpu": torch.cuda.get_device_name(0) if gpu else None,
+                        "gpu_memory_GiB": round(props.total_memory / 2**30, 1) if props else None,
+                        "cores": os.cpu_count(), "python": platform.python_version()},
+            "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "vllm_kvplugin": __version__}}
