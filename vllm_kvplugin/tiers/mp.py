@@ -206,12 +206,15 @@ class ServerStore:
         self._client.before_unmap = self._before_unmap
 
     def _before_unmap(self, tensor) -> None:
-        """An old pool is about to be unmapped (nothing uses it): unregister it first."""
+        """An old pool is about to be unmapped (no tensor uses it any more): unregister it first.
+        A copy enqueued earlier may still read it (a prefetch of a request that was since
+        forgotten keeps no view), so the device finishes its work before (only after a restart)."""
         ptr = tensor.data_ptr()
         if ptr in self._registered:
             import torch
 
             self._registered.discard(ptr)
+            torch.cuda.synchronize()
             if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
                 _clear_cuda_error()
 
