@@ -37,8 +37,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC  # noqa: E402
-from ttft_common import built_gpu_model, environment, run_modes, start_server, tokens  # noqa: E402
+from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, transfer_config  # noqa: E402
+from ttft_common import built_gpu_model, environment, run_modes_with_server, tokens  # noqa: E402
 
 MODES = "baseline,kvplugin,kvplugin-server,vllm-offloading"
 
@@ -63,19 +63,10 @@ def run_mode(mode: str, model: str, streams: int, prompt_tokens: int, max_tokens
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     import vllm_kvplugin
 
-    ktc = None
-    if mode.startswith("kvplugin"):
-        extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode == "kvplugin-server" else host_bytes}
-        if server:
-            extra["server"] = server
-        ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
-    elif mode == "vllm-offloading":
-        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                               kv_connector_extra_config={"cpu_bytes_to_use": host_bytes})
+    ktc = transfer_config(mode, chunk, host_bytes, server)
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=prompt_tokens + max_tokens + 16,
               enforce_eager=True, kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5,
               block_size=block, kv_transfer_config=ktc, seed=0)
@@ -125,21 +116,14 @@ def main() -> int:
     model = args.model
     if model is None:
         model = built_gpu_model(str(HERE / "gpu_ttft.py"))
-    server = None
-    if "kvplugin-server" in args.modes.split(","):
-        server, args.server = start_server(args.host_bytes)
 
     def child_args(mode: str) -> list[str]:
-        return (["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
-                 "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
-                 "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
-                 "--repeats", str(args.repeats)]
-                + (["--server", args.server] if mode == "kvplugin-server" else []))
+        return ["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
+                "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
+                "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes), "--repeats", str(args.repeats)]
 
-    results, errors = run_modes(__file__, args.modes.split(","), child_args, keep_going=True)
-    if server is not None:
-        server.terminate()
-        server.wait(30)
+    results, errors = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=True,
+                                            l1_bytes=args.host_bytes)
     by_mode = {r["mode"]: r["rows"] for r in results}
     base = by_mode.get("baseline")
     summary = []

@@ -39,8 +39,7 @@ from ttft_common import (  # noqa: E402
     environment,
     measure,
     print_table,
-    run_modes,
-    start_server,
+    run_modes_with_server,
     summarize,
 )
 
@@ -49,27 +48,33 @@ HOST_BYTES = 24 << 30  # every prompt of the run fits: no eviction in any mode
 KV_BYTES = 16 << 30
 
 
-def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, server: str | None,
-             host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
-    """One engine, all prompts; runs in a child process (``--child``)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-    from vllm import LLM
+def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
+    """vLLM's ``KVTransferConfig`` of a mode (None: no connector)."""
     from vllm.config import KVTransferConfig
 
-    import vllm_kvplugin
-
-    ktc = None
     if mode.startswith("kvplugin"):
         extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode == "kvplugin-server" else host_bytes}
         if mode == "kvplugin-noverify":  # what the payload checksums cost
             extra["verify_checksums"] = False
         if server:
             extra["server"] = server
-        ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
-    elif mode == "vllm-offloading":
-        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                               kv_connector_extra_config={"cpu_bytes_to_use": host_bytes})
+        return KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    if mode == "vllm-offloading":
+        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes_to_use": host_bytes})
+    return None
+
+
+def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, server: str | None,
+             host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
+    """One engine, all prompts; runs in a child process (``--child``)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    from vllm import LLM
+
+    import vllm_kvplugin
+
+    ktc = transfer_config(mode, chunk, host_bytes, server)
     max_len = max(lengths) + 64
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5, block_size=block, kv_transfer_config=ktc, seed=0,
@@ -118,20 +123,13 @@ def main() -> int:
     if model is None:
         model = built_gpu_model(__file__)
     print(f"model built in {time.time() - t_build:.0f} s: {model}", file=sys.stderr, flush=True)
-    server = None
-    if "kvplugin-server" in args.modes.split(","):
-        server, args.server = start_server(args.host_bytes)
 
     def child_args(mode: str) -> list[str]:
-        return (["--model", model, "--lengths", args.lengths, "--block", str(args.block),
-                 "--chunk", str(args.chunk), "--host-bytes", str(args.host_bytes),
-                 "--kv-bytes", str(args.kv_bytes)]
-                + (["--server", args.server] if mode == "kvplugin-server" else []))
+        return ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
+                "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
 
-    results, errors = run_modes(__file__, args.modes.split(","), child_args, keep_going=True)
-    if server is not None:
-        server.terminate()
-        server.wait(30)
+    results, errors = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=True,
+                                            l1_bytes=args.host_bytes)
     summary = summarize(results, lengths,
                         {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
                          "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})

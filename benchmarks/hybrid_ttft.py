@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ttft_common import measure, print_table, run_modes, start_server, summarize  # noqa: E402
+from ttft_common import measure, print_table, run_modes_with_server, summarize  # noqa: E402
 
 BUDGET = 384  # one chunk per step: a state checkpoint at every chunk boundary
 
@@ -86,18 +86,13 @@ def main() -> int:
 
     spec = tiny_model.QWEN3NEXT_BENCH
     model = str(tiny_model.build(spec))
-    server = None
-    if "kvplugin-server" in args.modes.split(",") and not args.server:
-        server, args.server = start_server(16 << 30)
 
     def child_args(mode: str) -> list[str]:
-        return (["--model", model, "--lengths", args.lengths]
-                + (["--server", args.server] if args.server and mode == "kvplugin-server" else []))
+        return ["--model", model, "--lengths", args.lengths]
 
-    results, _ = run_modes(__file__, args.modes.split(","), child_args, keep_going=False)
-    if server is not None:
-        server.terminate()
-        server.wait(30)
+    # the server's pool holds every prompt of the run (well under 1 GB of this model's objects)
+    results, _ = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=False,
+                                       l1_bytes=2 << 30, address=args.server)
     import torch
     import vllm
 

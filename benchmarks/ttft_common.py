@@ -99,6 +99,27 @@ def run_modes(script: str, modes: Sequence[str], child_args: Callable[[str], lis
     return results, errors
 
 
+
+def run_modes_with_server(script: str, modes: Sequence[str], child_args: Callable[[str], list[str]],
+                          keep_going: bool, l1_bytes: int, address: str | None = None
+                          ) -> tuple[list[dict], dict[str, str]]:
+    """:func:`run_modes`, with a cache server for the ``kvplugin-server`` mode: the one at
+    ``address``, else one started for the run (its pool of ``l1_bytes`` is allocated at start)
+    and stopped after; that mode's child gets ``--server ADDRESS`` after ``child_args``."""
+    proc = None
+    if "kvplugin-server" in modes and not address:
+        proc, address = start_server(l1_bytes)
+
+    def args_for(mode: str) -> list[str]:
+        return child_args(mode) + (["--server", address] if mode == "kvplugin-server" else [])
+
+    try:
+        return run_modes(script, modes, args_for, keep_going)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+
 def summarize(results: Sequence[dict], lengths: Sequence[int],
               warm_ratios: dict[str, tuple[str, str]]) -> list[dict]:
     """Per prompt length: each mode's cold/warm seconds, warm hit and speedup, whether its
