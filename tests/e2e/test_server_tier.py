@@ -226,6 +226,7 @@ def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, mon
     try:
         want = [r.token_ids for r in generate(llm, prompts, max_tokens=24)]
         claim, claimed = smod.SchedulerSide.update_state_after_alloc, []
+        match, cold_miss = smod.SchedulerSide.get_num_new_matched_tokens, []
 
         def claim_then_stop(self, request, blocks, n):
             claim(self, request, blocks, n)
@@ -233,13 +234,26 @@ def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, mon
             if len([c for c in claimed if c]) == 4:  # every hit verified and claimed: stop it now
                 server.proc.send_signal(signal.SIGSTOP)
 
+        def cold_after_stop(self, request, num_computed):
+            """The cold request is looked up (a miss) while the server runs, and scheduled only
+            once it is stopped: its prefill, and so its stores, always meet the stopped server."""
+            if request.request_id != "cold":
+                return match(self, request, num_computed)
+            if not cold_miss:
+                got = match(self, request, num_computed)
+                if got[0] is None:
+                    return got
+                cold_miss.append(got)
+            return cold_miss[0] if len([c for c in claimed if c]) >= 4 else (None, False)
+
         monkeypatch.setattr(smod.SchedulerSide, "update_state_after_alloc", claim_then_stop)
+        monkeypatch.setattr(smod.SchedulerSide, "get_num_new_matched_tokens", cold_after_stop)
         sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         store_errors = counters.WORKER.snapshot()["server_store_errors"]
         eng = llm.llm_engine
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
-        eng.add_request("cold", {"prompt_token_ids": cold}, sp)  # prefilled (and stored) while stopped
+        eng.add_request("cold", {"prompt_token_ids": cold}, sp)  # prefilled (and stored) once stopped
         steps, outs, added = [], {}, False
         while eng.has_unfinished_requests():
             t0 = time.monotonic()
