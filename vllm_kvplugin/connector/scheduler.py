@@ -126,7 +126,7 @@ class SchedulerSide:
         num_slots = slots_for_budget(cfg.cpu_bytes, object_bytes)
         self.local = [LocalIndex(num_slots, n) for n in object_bytes]
         self.server = (ServerIndex(cfg, [g.need(self.chunk_size) for g in self.groups], self.world_size,
-                                   f"scheduler-{os.getpid()}") if cfg.server else None)
+                                   f"scheduler-{os.getpid()}", self.fingerprint) if cfg.server else None)
         #: bytes one object occupies on the server, per group (every rank, header included)
         self.server_object_bytes = [self.world_size * (HEADER_SIZE + n) for n in object_bytes]
         self.fetch_timeout_s = 2 * cfg.server_timeout_s + 5.0

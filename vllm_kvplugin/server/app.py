@@ -141,6 +141,7 @@ class Server:
                 except BlockingIOError:
                     pass
             self.store.process_l2()
+            self.store.process_remote()
             if self.router in events:
                 for _ in range(MAX_BATCH):
                     try:
@@ -254,7 +255,7 @@ class Server:
             return P.Empty()
         if op == "lookup":
             r = st.lookup(s, body.keys, parse_needs(body.needs), body.ranks, body.world, body.first,
-                          body.wait_ms / 1000.0, ident, req_id, head, now)
+                          body.wait_ms / 1000.0, ident, req_id, head, now, body.fingerprint)
             return None if isinstance(r, PendingLookup) else r
         if op == "resolve":
             offsets, sizes = st.resolve(body.lease, body.keys, body.group, body.rank, body.world, now)
@@ -286,6 +287,8 @@ class Server:
             pass
         if self.store.workers is not None:
             self.store.workers.stop(timeout=10.0)  # let queued L2 writes finish
+        if self.store.remote is not None:
+            self.store.remote.stop(timeout=5.0)
         self.pool.close()
         if self.address.kind == "unix":
             try:

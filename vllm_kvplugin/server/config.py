@@ -9,6 +9,13 @@ from dataclasses import dataclass
 
 from vllm_kvplugin.server.auth import AuthError, read_token
 from vllm_kvplugin.server.protocol import Address, default_address, parse_address
+from vllm_kvplugin.server.remote import (
+    PASSWORD_ENV,
+    RemoteConfig,
+    RemoteConfigError,
+    parse_remote_url,
+    read_password,
+)
 
 
 class ServerConfigError(ValueError):
@@ -32,6 +39,7 @@ class ServerConfig:
     l2_readers: int = 2
     prefault: bool = False
     log_level: str = "INFO"
+    remote: RemoteConfig | None = None
 
     @property
     def reap_s(self) -> float:
@@ -86,6 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "pool's pages are always allocated at start")
     p.add_argument("--l2-readers", type=int, default=2, help="threads reading L2 files (default 2)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    r = p.add_argument_group("remote tier (a Redis / Valkey store shared by servers on many machines)")
+    r.add_argument("--remote", default=None,
+                   help="redis://HOST:PORT[/DB], rediss://... (TLS) or redis+cluster://HOST:PORT[,HOST:PORT...] "
+                        "(default: no remote tier)")
+    r.add_argument("--remote-password-file", default=None,
+                   help=f"file holding the store's password (mode 0600). Default: ${PASSWORD_ENV}")
+    r.add_argument("--remote-bytes", default="16GiB",
+                   help="the most bytes this prefix may hold in the store, every server's objects together "
+                        "(default 16GiB)")
+    r.add_argument("--remote-ttl-s", type=float, default=86400.0,
+                   help="an object expires from the store this long after it was written (default 86400)")
+    r.add_argument("--remote-timeout-s", type=float, default=2.0,
+                   help="timeout of each call to the store (default 2)")
+    r.add_argument("--remote-tls-ca-file", default=None, help="CA bundle for rediss:// (default: the system's)")
+    r.add_argument("--remote-prefix", default="vllm-kvplugin",
+                   help="the store's key prefix: servers share objects under the same prefix (default vllm-kvplugin)")
     return p
 
 
@@ -137,6 +161,7 @@ def config_from_args(argv: list[str] | None) -> ServerConfig:
         raise _flag_error("--shm-dir", a.shm_dir, "is not a directory")
     if a.l2_readers < 1:
         raise _flag_error("--l2-readers", a.l2_readers, "must be >= 1")
+    remote = _remote_config(a)
     l2_dir = os.path.abspath(os.path.expanduser(a.l2_dir)) if a.l2_dir else None
     if l2_dir and os.path.exists(l2_dir) and not os.path.isdir(l2_dir):
         raise _flag_error("--l2-dir", a.l2_dir, "exists and is not a directory")
@@ -144,4 +169,30 @@ def config_from_args(argv: list[str] | None) -> ServerConfig:
                         lease_s=a.lease_s, heartbeat_s=a.heartbeat_s, reserve_s=a.reserve_s,
                         quarantine_s=a.quarantine_s, high_watermark=a.high_watermark,
                         low_watermark=a.low_watermark, shm_dir=a.shm_dir, l2_readers=a.l2_readers, prefault=a.prefault,
-                        log_level=a.log_level)
+                        log_level=a.log_level, remote=remote)
+
+
+def _remote_config(a: argparse.Namespace) -> RemoteConfig | None:
+    if a.remote is None:
+        return None
+    try:
+        rc = parse_remote_url(a.remote, read_password(a.remote_password_file))
+        budget = parse_bytes(a.remote_bytes)
+    except (RemoteConfigError, ValueError) as exc:
+        raise ServerConfigError(str(exc) if isinstance(exc, RemoteConfigError)
+                                else f"--remote-bytes {a.remote_bytes!r}: {exc}") from None
+    if budget < (1 << 20):
+        raise _flag_error("--remote-bytes", a.remote_bytes, "must be at least 1MiB")
+    for flag, value in (("--remote-ttl-s", a.remote_ttl_s), ("--remote-timeout-s", a.remote_timeout_s)):
+        if not value > 0:
+            raise _flag_error(flag, value, "must be > 0")
+    if a.remote_ttl_s < 1:
+        raise _flag_error("--remote-ttl-s", a.remote_ttl_s, "must be at least 1 (the store counts milliseconds)")
+    if not a.remote_prefix or any(c in a.remote_prefix for c in "{}: "):
+        raise _flag_error("--remote-prefix", a.remote_prefix, "must be non-empty without '{', '}', ':' or spaces")
+    if a.remote_tls_ca_file and not rc.tls:
+        raise _flag_error("--remote-tls-ca-file", a.remote_tls_ca_file, "needs a rediss:// address")
+    import dataclasses
+
+    return dataclasses.replace(rc, budget_bytes=budget, ttl_s=a.remote_ttl_s, timeout_s=a.remote_timeout_s,
+                               tls_ca_file=a.remote_tls_ca_file, prefix=a.remote_prefix)

@@ -76,6 +76,9 @@ class PendingLookup:
     deadline: float
     waiting: set = field(default_factory=set)  # oids still PROMOTING
     promoted: int = 0
+    probing: bool = False              # the remote store's answer is on its way
+    fingerprint: bytes = b""           # the remote namespace asked
+    remote_promoted: int = 0
 
 
 def parse_needs(raw: list) -> list[GroupNeed]:
@@ -90,7 +93,8 @@ class LeaseOps:
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, s, keys: bytes, needs: list[GroupNeed], ranks: int, world: int, first: int,
-               wait_s: float, ident: bytes, req_id: int, reply_frames: list, now: float):
+               wait_s: float, ident: bytes, req_id: int, reply_frames: list, now: float,
+               fingerprint: bytes = b""):
         if len(keys) % KEY_SIZE:
             raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
         if ranks > world:
@@ -115,32 +119,37 @@ class LeaseOps:
             return True
 
         hit = best_hit(n, first, needs, usable)
-        if hit == 0:
-            return LookupRep(0, 0, 0, 0)
-        pinned = {}
-        for oid in self._needed(keys, needs, first, hit, sfx):
+        p = PendingLookup(ident, req_id, reply_frames, s, keys, needs, first, ranks, world, hit, {},
+                          now + wait_s)
+        for oid in self._needed(keys, needs, first, hit, sfx) if hit else ():
             e = get(oid)
             e.pins += 1
             if e.pins == 1:
                 self.lru.pop(oid, None)
-            pinned[oid] = e
-        p = PendingLookup(ident, req_id, reply_frames, s, keys, needs, first, ranks, world, hit, pinned,
-                          now + wait_s)
-        for e in pinned.values():  # bring L2-only objects back; without room they stay out of the hit
-            if e.state != L2ONLY:
-                continue
-            bsize = block_size_for(e.nbytes)
-            off = self._alloc(bsize)
-            if off is None:
+            p.pinned[oid] = e
+        for e in p.pinned.values():  # bring L2-only objects back; without room they stay out of the hit
+            if not self._promote_for(p, e):
                 break
-            e.block, e.bsize, e.state = off, bsize, PROMOTING
-            p.waiting.add(e.oid)
-            self.workers.reads.put(Job("read", e.oid, e.offset, e.nbytes, e))
-            self.stats["l2_reads_started"] += 1
-        if not p.waiting:
+        if hit < n:  # the rest of the prompt may be in the remote store
+            self._remote_probe(p, fingerprint, n)
+        if not p.waiting and not p.probing:
             return self._make_lease(p, now)
         self.pending.append(p)
         return p
+
+    def _promote_for(self, p: PendingLookup, e) -> bool:
+        """Start reading ``e`` back from L2 for ``p`` if it is only there; False if L1 has no room."""
+        if e.state != L2ONLY:
+            return True
+        bsize = block_size_for(e.nbytes)
+        off = self._alloc(bsize)
+        if off is None:
+            return False
+        e.block, e.bsize, e.state = off, bsize, PROMOTING
+        p.waiting.add(e.oid)
+        self.workers.reads.put(Job("read", e.oid, e.offset, e.nbytes, e))
+        self.stats["l2_reads_started"] += 1
+        return True
 
     @staticmethod
     def _needed(keys: bytes, needs: list[GroupNeed], first: int, hit: int, sfx: list) -> list[bytes]:
@@ -180,7 +189,7 @@ class LeaseOps:
         self.stats["lookup_hit_objects"] += len(p.pinned)
         l2_hits = min(p.promoted, len(p.pinned))
         self.stats["l2_hit_objects"] += l2_hits
-        self.stats["l1_hit_objects"] += len(p.pinned) - l2_hits
+        self.stats["l1_hit_objects"] += max(0, len(p.pinned) - l2_hits - p.remote_promoted)
         return LookupRep(hit, lid, nbytes, p.promoted)
 
     def _finish_pending(self, p: PendingLookup) -> LookupRep:
@@ -192,7 +201,7 @@ class LeaseOps:
     def poll_pending(self, now: float) -> list[tuple[PendingLookup, LookupRep]]:
         done = []
         for p in list(self.pending):
-            if not p.waiting or now >= p.deadline or p.session.ident not in self.sessions:
+            if not (p.waiting or p.probing) or now >= p.deadline or p.session.ident not in self.sessions:
                 done.append((p, self._finish_pending(p)))
         return done
 
@@ -250,5 +259,6 @@ class LeaseOps:
             e = self.objs.get(ids[i:i + OBJECT_ID_SIZE])
             if e is not None and e.state != RESERVED and not e.doomed:
                 self._drop(e, "reported_corrupt")
+                self._remote_delete(e)  # the bytes the client read may have come from there
                 n += 1
         return n

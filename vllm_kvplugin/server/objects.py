@@ -11,7 +11,7 @@ W_NONE, W_QUEUED, W_WRITING = 0, 1, 2
 
 class Obj:
     __slots__ = ("oid", "nbytes", "state", "block", "bsize", "pins", "owner", "deadline",
-                 "in_l2", "wstate", "doomed", "epoch")
+                 "in_l2", "wstate", "doomed", "epoch", "fp")
 
     def __init__(self, oid: bytes, nbytes: int, state: int):
         self.oid = oid
@@ -26,6 +26,7 @@ class Obj:
         self.wstate = W_NONE
         self.doomed = False
         self.epoch = 0  # the reservation's number, which its commit must name (writer fencing)
+        self.fp = b""  # the model fingerprint its header names, once known (the remote tier's namespace)
 
     @property
     def offset(self) -> int:

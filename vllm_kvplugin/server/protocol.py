@@ -24,8 +24,9 @@ import msgspec
 from vllm_kvplugin.chunk.keys import KEY_SIZE
 
 #: bumped on any incompatible change of the messages below (2: 32-byte keys, per-group
-#: lookup rules, ``drop``; 3: mutual proof of the token, ``auth``)
-PROTOCOL_VERSION = 4
+#: lookup rules, ``drop``; 3: mutual proof of the token, ``auth``; 4: reservation epochs;
+#: 5: a lookup names its model fingerprint, the remote tier's namespace)
+PROTOCOL_VERSION = 5
 #: a request larger than this gets a ``too_large`` error reply
 MAX_MESSAGE_BYTES = 16 << 20
 #: ZMQ drops the connection of a peer sending more than this (no reply possible)
@@ -139,7 +140,9 @@ class LookupReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ranks: Count
     world: Count
     first: Annotated[int, msgspec.Meta(ge=0)] = 0  # chunks the client already holds
-    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0  # budget for L2 -> L1 promotion
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0  # budget for L2/remote -> L1 promotion
+    #: the model fingerprint of the keys (chunk headers'): the remote store's namespace (empty: not asked)
+    fingerprint: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class LookupRep(msgspec.Struct, frozen=True):

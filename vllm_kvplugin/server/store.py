@@ -42,6 +42,7 @@ from vllm_kvplugin.server.protocol import (
     RESERVE_NO_ROOM,
     split_object_id,
 )
+from vllm_kvplugin.server.remote_ops import RemoteOps
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class Session:
     server_nonce: bytes = b""
 
 
-class Store(LeaseOps):
+class Store(LeaseOps, RemoteOps):
     def __init__(self, cfg: ServerConfig, pool_view: memoryview, wake_fd: int):
         self.cfg = cfg
         self.pool = pool_view
@@ -100,6 +101,7 @@ class Store(LeaseOps):
             self.l2 = L2Dir(cfg.l2_dir)
             self.workers = L2Workers(self.l2, pool_view, cfg.l2_readers, wake_fd)
             self._reindex()
+        self._start_remote(pool_view, wake_fd)
 
     # ------------------------------------------------------------------ L2 index
     def _reindex(self) -> None:
@@ -392,6 +394,7 @@ class Store(LeaseOps):
             try:
                 h = parse_header(self.pool[e.offset:e.offset + HEADER_SIZE])
                 ok = header_object_id(h) == oid and h.object_size == e.nbytes
+                e.fp = h.fingerprint
             except (HeaderError, ValueError):
                 ok = False
             if not ok:
@@ -409,6 +412,7 @@ class Store(LeaseOps):
             if self.workers is not None:
                 e.wstate = W_QUEUED
                 self.workers.writes.put(Job("write", oid, e.offset, e.nbytes, e))
+            self._remote_put(e)
             out.append(COMMIT_OK)
         return out
 
@@ -477,4 +481,5 @@ class Store(LeaseOps):
             pending_lookups=len(self.pending),
             clients=len(self.sessions),
         )
+        d.update(self.remote_snapshot())
         return d

@@ -90,8 +90,10 @@ class ServerIndex:
     meanwhile) and releases are sent from it without waiting (:meth:`release_async`).
     """
 
-    def __init__(self, cfg: KVPluginConfig, needs: Sequence[GroupNeed], world: int, name: str):
+    def __init__(self, cfg: KVPluginConfig, needs: Sequence[GroupNeed], world: int, name: str,
+                 fingerprint: bytes = b""):
         self.needs = [(int(n.need), n.window) for n in needs]
+        self.fingerprint = fingerprint  # the keys' model: the namespace of the server's remote store
         self.world = world
         self._client = _client(cfg, name)
         self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvplugin-server-index")
@@ -120,7 +122,7 @@ class ServerIndex:
         if len(keys) <= first:
             return Lookup(0, 0, 0)
         r = _call_fresh(self._client, self._client.lookup_detail, list(keys), self.needs, self.world,
-                        self.world, first)
+                        self.world, first, fingerprint=self.fingerprint)
         return Lookup(r.hits, r.lease, r.pinned_bytes)
 
     @property

@@ -462,10 +462,12 @@ class MPClient:
         return r.hits, r.lease
 
     def lookup_detail(self, keys: Sequence[bytes], needs: Sequence[tuple[int, int]], ranks: int = 1,
-                      world: int = 1, first: int = 0, wait_s: float | None = None) -> LookupResult:
+                      world: int = 1, first: int = 0, wait_s: float | None = None,
+                      fingerprint: bytes = b"") -> LookupResult:
         """The largest hit (in chunks) every group can restore from objects of ranks ``< ranks``,
         per group's need ``(chunk.rules.Need, window chunks)``, not counting chunks below
-        ``first``; the objects that hit needs are pinned under the returned lease."""
+        ``first``; the objects that hit needs are pinned under the returned lease.  With the
+        keys' model ``fingerprint`` the server also asks its remote store, if it has one."""
         if not keys:
             return LookupResult(0, 0, 0, 0)
         blob = _key_blob(keys)
@@ -473,7 +475,7 @@ class MPClient:
             raise ValueError(f"bad lookup shape groups={len(needs)} ranks={ranks} world={world}")
         wait = self.lookup_wait_s if wait_s is None else wait_s
         rep = self._call("lookup", P.LookupReq(blob, [(int(n), int(w)) for n, w in needs], ranks, world,
-                                               int(first), int(wait * 1000)))
+                                               int(first), int(wait * 1000), bytes(fingerprint)))
         if not (0 <= rep.hits <= len(keys)) or (rep.hits > 0) != (rep.lease != 0) or 0 < rep.hits <= first:
             raise ServerError(P.E_INTERNAL, f"impossible lookup reply: hit {rep.hits} of "
                                             f"{len(keys)} keys from chunk {first}, lease {rep.lease}")

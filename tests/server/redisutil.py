@@ -1,0 +1,135 @@
+"""Real ``redis-server`` processes for the remote-tier tests: one node, or a 3-node cluster."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from srvutil import _die_with_parent
+
+
+def free_port() -> int:
+    """A free port below 50000 whose +10000 is free too (a cluster node's bus port)."""
+    for _ in range(200):
+        port = random.randrange(20000, 50000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+def redis_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:  # CI installs it (.ci/run): a missing binary is a broken machine, not a skip
+        raise RuntimeError("the remote-tier tests need redis-server on PATH (apt-get install redis-server)")
+    return path
+
+
+class RedisProc:
+    """One ``redis-server`` on 127.0.0.1, no persistence, its files under ``workdir``."""
+
+    def __init__(self, workdir: str, *extra: str, port: int | None = None, cluster: bool = False,
+                 password: str | None = None):
+        self.port = port or free_port()
+        self.password = password
+        self.dir = os.path.join(workdir, f"redis-{self.port}")
+        self.extra = list(extra)
+        self.cluster = cluster
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> RedisProc:
+        os.makedirs(self.dir, exist_ok=True)
+        argv = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no", *self.extra]
+        if self.password:
+            argv += ["--requirepass", self.password]
+        if self.cluster:
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "2000"]
+        self.log = open(os.path.join(self.dir, "redis.log"), "a")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.cli("PING").strip() == "PONG":
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not start: "
+                           f"{open(os.path.join(self.dir, 'redis.log')).read()[-2000:]}")
+
+    def cli(self, *args: str) -> str:
+        auth = ["--no-auth-warning", "-a", self.password] if self.password else []
+        r = subprocess.run(["redis-cli", "-p", str(self.port), *auth, *args], capture_output=True, text=True,
+                           timeout=10)
+        return r.stdout
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+class RedisCluster:
+    """Three masters, no replicas, slots spread by ``redis-cli --cluster create``."""
+
+    def __init__(self, workdir: str, n: int = 3):
+        self.nodes = [RedisProc(workdir, cluster=True) for _ in range(n)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> RedisCluster:
+        for n in self.nodes:
+            n.start()
+        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                           timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout}\n{r.stderr}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def keys_per_node(self, pattern: str = "*") -> list[int]:
+        return [len([k for k in n.cli("--scan", "--pattern", pattern).split() if k]) for n in self.nodes]
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
