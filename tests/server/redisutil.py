@@ -58,7 +58,7 @@ class RedisProc:
             argv += ["--requirepass", self.password]
         if self.cluster:
             argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "2000"]
+                     "--cluster-node-timeout", "2000", "--cluster-replica-validity-factor", "0"]
         self.log = open(os.path.join(self.dir, "redis.log"), "a")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
@@ -103,10 +103,11 @@ class RedisProc:
 
 
 class RedisCluster:
-    """Three masters, no replicas, slots spread by ``redis-cli --cluster create``."""
+    """``n`` masters with ``replicas`` replicas each, slots spread by ``redis-cli --cluster create``."""
 
-    def __init__(self, workdir: str, n: int = 3):
-        self.nodes = [RedisProc(workdir, cluster=True) for _ in range(n)]
+    def __init__(self, workdir: str, n: int = 3, replicas: int = 0):
+        self.replicas = replicas
+        self.nodes = [RedisProc(workdir, cluster=True) for _ in range(n * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -116,16 +117,25 @@ class RedisCluster:
         for n in self.nodes:
             n.start()
         r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                            "--cluster-replicas", str(self.replicas), "--cluster-yes"], capture_output=True, text=True,
                            timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout}\n{r.stderr}")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
+            if self.healthy() and all("master_link_status:up" in n.cli("INFO", "replication")
+                                      for n in self.nodes if n not in self.masters()):
                 return self
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def healthy(self) -> bool:
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        return all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in live)
+
+    def masters(self) -> list[RedisProc]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None
+                and "role:master" in n.cli("INFO", "replication")]
 
     def keys_per_node(self, pattern: str = "*") -> list[int]:
         return [len([k for k in n.cli("--scan", "--pattern", pattern).split() if k]) for n in self.nodes]

@@ -142,6 +142,36 @@ def test_corrupt_and_foreign_values_are_never_served(server_factory, short_tmp, 
         assert cb.stats()["remote_probe_found_objects"] == s["remote_probe_found_objects"]
 
 
+def test_only_committed_objects_reach_the_store(server_factory, short_tmp, redis_node):
+    """What a writer aborted (a failed step's stores), committed too late (its reservation
+    reclaimed: fenced) or committed under a header that does not name it never reaches the
+    store; a client's report of a corrupt object deletes it there too."""
+    from srvutil import make_object
+
+    a, b = _pair(server_factory, short_tmp, redis_node.url, "--reserve-s", "0.5", "--quarantine-s", "0")
+    keys = keys_for(17, 4)
+    oids = oids_for(keys, 1, 1, 1)
+    with MPClient(a.address) as ca, MPClient(b.address) as cb:
+        res = ca.reserve([(o, HEADER_SIZE + NBYTES) for o in oids])
+        for o, off in zip(oids, res):
+            h, pl = make_object(o, NBYTES)
+            ca.write_object(off, h if o != oids[2] else make_object(oids[3], NBYTES)[0], pl)
+        assert ca.abort([oids[0]]) == 1
+        time.sleep(1.2)  # past --reserve-s: oids[1]'s reservation is reclaimed
+        assert ca.commit([oids[1]], [res[1]]) == [False]  # fenced
+        assert ca.commit([oids[2]], [res[2]]) == [False]  # its header names another object
+        assert all(store(ca, [oids[3]], NBYTES))
+        wait_for(lambda: ca.stats()["remote_puts"] == 1)
+        assert len(_remote_keys(redis_node)) == 1
+        r = _lookup(cb, keys)
+        assert r.hits == 0  # chunk 0 is nowhere: the prefix cannot start
+        assert cb.stats()["remote_hit_objects"] == 0
+        # a client reports the stored one corrupt: gone from the store as well
+        assert ca.drop([oids[3]]) == 1
+        wait_for(lambda: ca.stats()["remote_deletes"] == 1)
+        assert _remote_keys(redis_node) == []
+
+
 def test_store_down_at_start_then_up(server_factory, short_tmp):
     """No store at start: the server starts and serves from L1; once the store is up (and the
     back-off has passed), objects go out and a second server finds them."""
@@ -293,6 +323,39 @@ def test_cluster_of_three(server_factory, short_tmp):
             wait_for(lambda: cb.stats()["remote_deletes"] == 1)
             assert rc.exists(k) == 0 and cb.stats()["remote_probes"] == 1
             rc.close()
+    finally:
+        cl.stop()
+
+
+def test_cluster_master_failing_over(server_factory, short_tmp):
+    """A master of a 3-master cluster with replicas is killed: while its replica takes over, the
+    servers serve from L1 and count the failures; afterwards puts and remote hits work again,
+    through the promoted replica."""
+    cl = RedisCluster(short_tmp, replicas=1).start()
+    try:
+        a, b = _pair(server_factory, short_tmp, cl.url)
+        keys = keys_for(16, 12)
+        with MPClient(a.address) as ca, MPClient(b.address) as cb:
+            assert all(store(ca, oids_for(keys, 1, 1, 1), NBYTES))
+            wait_for(lambda: ca.stats()["remote_puts"] == 12, timeout=20)
+            victim = cl.masters()[0]
+            victim.kill9()
+            load_and_check(ca, keys, 1, 1, 1, NBYTES)  # A's own L1 serves meanwhile
+            wait_for(lambda: len(cl.masters()) == 3 and cl.healthy(), timeout=30, interval=0.2)  # promoted
+            attempt = iter(range(3000, 4000))
+            got = []
+
+            def shared_again():  # fresh objects each try: puts skipped in the back-off are not retried
+                ks = keys_for(next(attempt), 6)
+                store(ca, oids_for(ks, 1, 1, 1), NBYTES)
+                wait_for(lambda: ca.stats()["remote_queued_puts"] == 0)
+                r = _lookup(cb, ks)
+                if r.hits:
+                    cb.release(r.lease)
+                got.append(r.hits)
+                return r.hits == 6
+            wait_for(shared_again, timeout=60, interval=0.5)
+            assert ca.stats()["remote_failures"] + cb.stats()["remote_failures"] >= 1 or got[0] == 6
     finally:
         cl.stop()
 

@@ -115,8 +115,6 @@ class RemoteConfig:
     timeout_s: float = 2.0
     tls_ca_file: str | None = None
     prefix: str = "vllm-kvplugin"
-    #: puts waiting in the queue (each pins its object in L1) beyond which new ones are skipped
-    max_queued_puts: int = 256
 
     @property
     def url(self) -> str:
@@ -224,7 +222,7 @@ class RemoteStore:
                 cluster_error_retry_attempts=1, **common)
         else:
             (host, port), = cfg.nodes
-            self.client = redis.Redis(host=host, port=port, db=cfg.db, retry_on_timeout=False, **common)
+            self.client = redis.Redis(host=host, port=port, db=cfg.db, **common)
         tag = "{" + cfg.prefix + "}"
         self.ledger = [f"{tag}:ledger".encode(), f"{tag}:sizes".encode(), f"{tag}:used".encode()]
         self._admit = self.client.register_script(_ADMIT)

@@ -5,8 +5,9 @@ store itself is :mod:`.remote`).
 
 * **Write-through.**  A committed object (``commit``: its header named it, so its
   model fingerprint is known) is queued for the store, pinned in L1 until the put is
-  done; when the store is down, or ``max_queued_puts`` puts wait already, it is skipped
-  and counted -- L1 never fills with objects waiting for a slow store.  Only committed
+  done; when the store is down, or the puts waiting already pin a quarter of L1
+  (``QUEUED_SHARE``), it is skipped and counted -- L1 never fills with objects waiting
+  for a slow store.  Only committed
   objects go out: what a client aborted or never committed (a failed step's stores)
   never reaches the store.
 * **Lookups.**  When L1/L2 do not hold the whole prompt, one probe asks the store for the
@@ -42,6 +43,9 @@ from vllm_kvplugin.server.remote import (
 
 logger = logging.getLogger(__name__)
 
+#: the share of L1 that objects waiting for their put may pin; past it new puts are skipped
+QUEUED_SHARE = 0.25
+
 REMOTE_COUNTERS = (
     "remote_puts", "remote_put_bytes", "remote_put_exists", "remote_put_too_large", "remote_put_full",
     "remote_put_errors", "remote_puts_skipped_down", "remote_puts_skipped_backlog", "remote_budget_evictions",
@@ -58,6 +62,7 @@ class RemoteOps:
     """Uses the store's objects, LRU, allocator, pending lookups and stats."""
 
     remote: RemoteWorkers | None = None
+    _remote_queued_bytes = 0
 
     def _start_remote(self, pool_view: memoryview, wake_fd: int) -> None:
         for name in REMOTE_COUNTERS:
@@ -80,9 +85,10 @@ class RemoteOps:
         if not r.store.up:
             self.stats["remote_puts_skipped_down"] += 1
             return
-        if r.queued_puts >= self.cfg.remote.max_queued_puts:
+        if self._remote_queued_bytes + e.nbytes > QUEUED_SHARE * self.alloc.capacity:
             self.stats["remote_puts_skipped_backlog"] += 1
             return
+        self._remote_queued_bytes += e.nbytes
         e.pins += 1  # the writer reads its bytes: not evicted meanwhile
         self.lru.pop(e.oid, None)
         r.writes.put(PutJob(e.oid, e.fp, e.offset, e.nbytes, e))
@@ -228,6 +234,7 @@ class RemoteOps:
 
     def _put_done(self, job: PutJob) -> None:
         e: Obj = job.token
+        self._remote_queued_bytes -= job.nbytes
         self.stats["remote_budget_evictions"] += job.evicted
         if job.result == "ok":
             self.stats["remote_puts"] += 1
@@ -251,6 +258,6 @@ class RemoteOps:
     def remote_snapshot(self) -> dict:
         r = self.remote
         return dict(remote_enabled=int(r is not None), remote_up=int(r is not None and r.store.connected),
-                    remote_queued_puts=r.queued_puts if r else 0,
+                    remote_queued_puts=r.queued_puts if r else 0, remote_queued_bytes=self._remote_queued_bytes,
                     remote_failures=r.store.failures if r else 0,
                     remote_reconnects=r.store.reconnects if r else 0)
