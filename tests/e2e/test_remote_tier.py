@@ -6,7 +6,8 @@ their chunks go through to Redis.  Engine B, through server B, then runs each pr
 with every KV block overwritten with noise first: its hit comes from Redis (B never saw
 the prompts), and its output must equal engine A's and a no-connector engine's.  With
 the loads skipped on purpose the output changes (the hit matters).  Redis killed
-afterwards: B goes on serving right outputs from its own pool.
+afterwards: B goes on serving right outputs from its own pool.  With one Redis node and
+with a 3-node Redis Cluster.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import vllm_kvplugin
 from vllm_kvplugin.planner import max_loadable_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from redisutil import RedisProc  # noqa: E402
+from redisutil import RedisCluster, RedisProc  # noqa: E402
 from srvutil import ServerProc, wait_for  # noqa: E402
 
 from vllm_kvplugin.tiers.mp_client import MPClient  # noqa: E402
@@ -48,8 +49,10 @@ def _engine_a(model: str, server: str, prompts: list[list[int]], workdir: str) -
     return json.loads(out.stdout.split("RESULT ", 1)[1])
 
 
-def test_engine_b_hits_what_engine_a_stored_through_redis(qwen3_model, workdir):  # noqa: F811
-    redis = RedisProc(workdir).start()
+@pytest.mark.parametrize("kind", ["node", "cluster"])
+def test_engine_b_hits_what_engine_a_stored_through_redis(qwen3_model, workdir, kind):  # noqa: F811
+    """One Redis node, and a 3-node Redis Cluster."""
+    redis = (RedisProc(workdir) if kind == "node" else RedisCluster(workdir)).start()
     servers = [ServerProc(workdir, "--l1-bytes", "256MiB", "--remote", redis.url,
                           listen=f"unix://{workdir}/{name}.sock").start() for name in ("a", "b")]
     sa, sb = servers

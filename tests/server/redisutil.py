@@ -38,9 +38,10 @@ class RedisProc:
     """One ``redis-server`` on 127.0.0.1, no persistence, its files under ``workdir``."""
 
     def __init__(self, workdir: str, *extra: str, port: int | None = None, cluster: bool = False,
-                 password: str | None = None):
+                 password: str | None = None, tls: bool = False):
         self.port = port or free_port()
         self.password = password
+        self.tls = tls
         self.dir = os.path.join(workdir, f"redis-{self.port}")
         self.extra = list(extra)
         self.cluster = cluster
@@ -48,11 +49,32 @@ class RedisProc:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> str:
+        return os.path.join(self.dir, "ca.crt")
+
+    def _make_certs(self) -> list[str]:
+        """A CA and a server certificate for 127.0.0.1 (openssl); the TLS flags."""
+        d = self.dir
+
+        def run(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=kvplugin-test-ca")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
+        with open(os.path.join(d, "ext"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+        run("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            "srv.crt", "-days", "2", "-extfile", "ext")
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", "srv.crt", "--tls-key-file",
+                "srv.key", "--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no"]
 
     def start(self, timeout: float = 10.0) -> RedisProc:
         os.makedirs(self.dir, exist_ok=True)
-        argv = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        port = self._make_certs() if self.tls else ["--port", str(self.port)]
+        argv = [redis_binary(), *port, "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no", *self.extra]
         if self.password:
             argv += ["--requirepass", self.password]
@@ -73,6 +95,8 @@ class RedisProc:
 
     def cli(self, *args: str) -> str:
         auth = ["--no-auth-warning", "-a", self.password] if self.password else []
+        if self.tls:
+            auth += ["--tls", "--cacert", self.ca_file]
         r = subprocess.run(["redis-cli", "-p", str(self.port), *auth, *args], capture_output=True, text=True,
                            timeout=10)
         return r.stdout
@@ -139,6 +163,10 @@ class RedisCluster:
 
     def keys_per_node(self, pattern: str = "*") -> list[int]:
         return [len([k for k in n.cli("--scan", "--pattern", pattern).split() if k]) for n in self.nodes]
+
+    def kill9(self) -> None:
+        for n in self.nodes:
+            n.kill9()
 
     def stop(self) -> None:
         for n in self.nodes:

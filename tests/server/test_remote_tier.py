@@ -360,6 +360,32 @@ def test_cluster_master_failing_over(server_factory, short_tmp):
         cl.stop()
 
 
+def test_tls_store(server_factory, short_tmp):
+    """``rediss://`` with the store's CA: shared as over plain TCP.  Without it (the system's CAs
+    do not know this one) the certificate is refused: the store stays down, counted, and the
+    server serves from L1."""
+    r = RedisProc(short_tmp, tls=True).start()
+    try:
+        a, b = _pair(server_factory, short_tmp, r.url, "--remote-tls-ca-file", r.ca_file)
+        keys = keys_for(18, 5)
+        with MPClient(a.address) as ca, MPClient(b.address) as cb:
+            assert all(store(ca, oids_for(keys, 1, 1, 1), NBYTES))
+            wait_for(lambda: ca.stats()["remote_puts"] == 5)
+            got = _lookup(cb, keys)
+            assert got.hits == 5
+            cb.release(got.lease)
+            load_and_check(cb, keys, 1, 1, 1, NBYTES)
+        untrusting = server_factory("--l1-bytes", "64MiB", "--remote", r.url, listen=f"unix://{short_tmp}/c.sock")
+        with MPClient(untrusting.address) as cc:
+            assert _lookup(cc, keys).hits == 0
+            assert all(store(cc, oids_for(keys_for(19, 2), 1, 1, 1), NBYTES))
+            load_and_check(cc, keys_for(19, 2), 1, 1, 1, NBYTES)
+            s = cc.stats()
+            assert s["remote_up"] == 0 and s["remote_puts"] == 0 and s["remote_hit_objects"] == 0
+    finally:
+        r.stop()
+
+
 def test_password_never_on_the_command_line(server_factory, short_tmp):
     """A password in the URL is refused (argv is public); from a private file it works."""
     r = RedisProc(short_tmp, password="s3cret-password-123").start()
