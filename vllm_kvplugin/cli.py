@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from vllm_kvplugin.verify import run as verify_run
+
 
 def _vllm_version() -> tuple[str | None, str | None]:
     """(version, distribution) of the installed vLLM, or (None, why)."""
@@ -65,7 +67,7 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify(args: argparse.Namespace) -> int:
+def verify_kernels(args: argparse.Namespace) -> int:
     """Certify the kernels on synthetic copies of every layout family (no vLLM engine needed)."""
     import torch
 
@@ -142,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-table", action="store_true", help="the kv_connector_extra_config table (markdown)")
     p.add_argument("--matrix", action="store_true", help="the compat matrix (markdown)")
     p.set_defaults(fn=info)
-    p = sub.add_parser("verify", help="certify the kernels against the layout reference on synthetic layouts")
-    p.set_defaults(fn=verify)
+    p = sub.add_parser("verify", help="prove on your model that a cache hit equals a recompute "
+                                      "(--kernels: certify the kernels only)")
+    verify_run.add_arguments(p)
+    p.set_defaults(fn=None)
     p = sub.add_parser("bench", help="gather/scatter throughput on this machine")
     p.add_argument("--device", default="cpu")
     p.add_argument("--layers", type=int, default=36)
@@ -167,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_kvplugin.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["verify"]:
+        args, rest = ap.parse_known_args(argv)
+        if args.kernels:
+            return verify_kernels(args)
+        return verify_run.main(args, rest)
     args = ap.parse_args(argv)
     return args.fn(args)
 

@@ -128,6 +128,49 @@ def build(spec: TinySpec = QWEN3, root: Path | None = None) -> Path:
     return out
 
 
+def build_eagle_drafter(target: Path) -> Path:
+    """A random-init one-layer EAGLE (EAGLE-1) drafter for a tiny Llama ``target``, built on first
+    use beside it.  Its config is the target's Llama config with one layer (vLLM wraps it for
+    ``speculative_config={"method": "eagle", "model": ...}``); its weights are named as in EAGLE
+    checkpoints (``fc`` joins the token embedding and the target's hidden state; no lm_head:
+    the target's is shared; layer 0 has no input norm)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = target.with_name(target.name + "-eagle")
+    if (out / "model.safetensors").exists():
+        return out
+    cfg = json.loads((target / "config.json").read_text())
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"an EAGLE drafter needs a Llama target, not {cfg.get('model_type')!r}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    gen = torch.Generator().manual_seed(4321)
+    shapes = {"fc.weight": (H, 2 * H), "embed_tokens.weight": (V, H),
+              "layers.0.self_attn.q_proj.weight": (q, H), "layers.0.self_attn.k_proj.weight": (kv, H),
+              "layers.0.self_attn.v_proj.weight": (kv, H), "layers.0.self_attn.o_proj.weight": (H, q),
+              "layers.0.mlp.gate_proj.weight": (F, H), "layers.0.mlp.up_proj.weight": (F, H),
+              "layers.0.mlp.down_proj.weight": (H, F)}
+    weights = {k: (torch.randn(*s, generator=gen) * 0.05).to(torch.bfloat16) for k, s in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    draft = {k: v for k, v in cfg.items() if k != "architectures"}
+    draft.update(architectures=["LlamaForCausalLM"], num_hidden_layers=1, tie_word_embeddings=False)
+    (tmp / "config.json").write_text(json.dumps(draft, indent=1))
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp / f.name)
+    try:
+        tmp.rename(out)
+    except OSError:  # built concurrently by another process
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def _hybrid(spec: TinySpec, common: dict):
     """Config class, model class and config fields of a tiny hybrid.
 

@@ -41,11 +41,26 @@ _SPEC_KINDS = {
 }
 
 
-def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
+def drops_eagle_block(vllm_config: Any) -> bool:
+    """Whether vLLM drops the last cached block of a hit for a drafter (EAGLE, EAGLE-3, MTP, ...):
+    the drafter's KV of a block's last token was computed with the next token."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    drop = getattr(spec, "use_eagle_block_drop", None)  # 0.32+; before, every EAGLE-style method
+    return bool(drop() if drop is not None else spec.use_eagle())
+
+
+def group_specs(kv_cache_config: Any, vllm_config: Any = None) -> list[GroupSpec]:
     """One :class:`GroupSpec` per ``kv_cache_config.kv_cache_groups`` entry; an unknown
-    spec class raises :class:`LayoutError` naming it."""
+    spec class raises :class:`LayoutError` naming it.  With a drafter whose block vLLM drops
+    and no group marked as the drafter's, every group is treated as a drafter's (as vLLM's
+    KV cache coordinator does: EAGLE's layers share the target's group)."""
+    groups = kv_cache_config.kv_cache_groups
+    every_drafter = (vllm_config is not None and drops_eagle_block(vllm_config)
+                     and not any(getattr(g, "is_eagle_group", False) for g in groups))
     out = []
-    for gi, group in enumerate(kv_cache_config.kv_cache_groups):
+    for gi, group in enumerate(groups):
         spec = group.kv_cache_spec
         name = type(spec).__name__
         kind = _SPEC_KINDS.get(name)
@@ -72,7 +87,7 @@ def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
             state=state or (),
             state_mode=str(getattr(spec, "mamba_cache_mode", "")) if state else "",
             speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
-            drafter=bool(getattr(group, "is_eagle_group", False)),
+            drafter=every_drafter or bool(getattr(group, "is_eagle_group", False)),
         ))
     return out
 

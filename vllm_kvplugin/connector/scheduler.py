@@ -107,7 +107,7 @@ class SchedulerSide:
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig, adapter: Any):
         self.cfg = cfg
-        self.groups = _common.group_specs(kv_cache_config)
+        self.groups = _common.group_specs(kv_cache_config, vllm_config)
         for g in self.groups:
             why = g.unsupported() or (None if g.kind is not GroupKind.RECURRENT or adapter.SUPPORTS_RECURRENT
                                       else f"recurrent groups need vLLM 0.29+ ({adapter.ERA} adapter)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,15 @@ def token_slots(block_ids: Sequence[int], block_size: int, tokens: int, skip: in
     return slots.view(1, tokens)
 
 
+#: the worker half registered last in this process (``vllm-kvplugin verify`` reads it)
+_REGISTERED: weakref.ref | None = None
+
+
+def registered() -> WorkerSide | None:
+    """This process's registered worker half, if any (one per vLLM worker process)."""
+    return _REGISTERED() if _REGISTERED is not None else None
+
+
 class WorkerSide:
     """The worker half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
@@ -92,7 +102,7 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.adapter = adapter
         self.vllm_version = vllm_version
-        self.groups = _common.group_specs(kv_cache_config)
+        self.groups = _common.group_specs(kv_cache_config, vllm_config)
         self.chunk_size = cfg.resolve_chunk_size([g.block_size for g in self.groups])
         self.fingerprint = b""  # the scheduler's, from the first metadata on (see bind)
         self.rank, self.world = 0, _common.model_parallel_world(vllm_config)
@@ -150,6 +160,8 @@ class WorkerSide:
                               [self._dtype(g) for g in range(len(self.groups))], num_slots, pin_memory=pin)
         if self.cfg.server:
             self.server = ServerStore(self.cfg, self.rank, self.world, f"worker{self.rank}", pin_for_cuda=pin)
+        global _REGISTERED
+        _REGISTERED = weakref.ref(self)
 
     @property
     def _token_group(self) -> int:

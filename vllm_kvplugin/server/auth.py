@@ -57,22 +57,28 @@ def check_proof(got: bytes, want: bytes) -> bool:
     return len(got) == len(want) and hmac.compare_digest(got, want)
 
 
+def read_secret_file(path: str, what: str) -> str:
+    """A secret from ``path``, which must be a regular file of this user that nobody else can
+    read (raises :class:`AuthError` naming ``what``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise AuthError(f"{what} {path!r}: cannot open ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise AuthError(f"{what} {path!r}: must be a regular file of this user that nobody else "
+                            f"can read (mode {oct(stat.S_IMODE(st.st_mode))}, uid {st.st_uid})")
+        return os.read(fd, 4096).decode().strip()
+    finally:
+        os.close(fd)
+
+
 def read_token(path: str | None, what: str) -> str | None:
     """The token from ``path`` (a private file of this user), else from ``$VLLM_KVPLUGIN_TOKEN``;
     None when neither is given.  ``what`` names the setting in errors."""
     if path:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise AuthError(f"{what} {path!r}: cannot open ({exc.strerror})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise AuthError(f"{what} {path!r}: must be a regular file of this user that nobody else "
-                                f"can read (mode {oct(stat.S_IMODE(st.st_mode))}, uid {st.st_uid})")
-            token = os.read(fd, 4096).decode().strip()
-        finally:
-            os.close(fd)
+        token = read_secret_file(path, what)
     else:
         token = os.environ.get(TOKEN_ENV, "").strip()
         if not token:

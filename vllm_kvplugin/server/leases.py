@@ -257,7 +257,8 @@ class LeaseOps:
         n = 0
         for i in range(0, len(ids), OBJECT_ID_SIZE):
             e = self.objs.get(ids[i:i + OBJECT_ID_SIZE])
-            if e is not None and e.state != RESERVED and not e.doomed:
+            # only what a client can have read: a block still being filled (L2, remote) stays
+            if e is not None and e.state == READY and not e.doomed:
                 self._drop(e, "reported_corrupt")
                 self._remote_delete(e)  # the bytes the client read may have come from there
                 n += 1

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from vllm_kvplugin.chunk.format import FORMAT_VERSION
+from vllm_kvplugin.server.auth import AuthError, read_secret_file
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, HeaderError, parse_header
 from vllm_kvplugin.server.l2 import verify_object
 
@@ -162,20 +163,10 @@ def parse_remote_url(url: str, password: str | None) -> RemoteConfig:
 def read_password(path: str | None) -> str | None:
     """The store's password from a private file, else ``$VLLM_KVPLUGIN_REMOTE_PASSWORD``."""
     if path:
-        import stat
-
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise RemoteConfigError(f"--remote-password-file {path!r}: cannot open ({exc.strerror})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise RemoteConfigError(f"--remote-password-file {path!r}: must be a regular file of this user "
-                                        f"that nobody else can read (mode {oct(stat.S_IMODE(st.st_mode))})")
-            return os.read(fd, 4096).decode().strip() or None
-        finally:
-            os.close(fd)
+            return read_secret_file(path, "--remote-password-file") or None
+        except AuthError as exc:
+            raise RemoteConfigError(str(exc)) from None
     return os.environ.get(PASSWORD_ENV) or None
 
 
