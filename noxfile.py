@@ -318,6 +318,7 @@ def _make_cpu_session(entry: dict):
         with _step(session, "pytest"):
             session.run("pytest", *_pytest_args(session, ["tests"]), "-m", entry.get("markers", "not gpu"),
                         "-n", os.environ.get("KVPLUGIN_TEST_WORKERS", str(min(2, os.cpu_count() or 1))),
+                        "--dist", "worksteal",
                         "--durations=10", env=env)
 
     cpu.__doc__ = (f"vLLM {entry['version']} ({entry['wheel']}, torch {entry['torch']}, "

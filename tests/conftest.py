@@ -23,3 +23,13 @@ def llama_model() -> str:
     from vllm_kvplugin import tiny_model
 
     return str(tiny_model.build(tiny_model.LLAMA))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first (slow ones, then those that start engines): with the workers
+    stealing work from each other (``--dist worksteal``), no long test is left for the end of a
+    run while the other worker idles."""
+    def rank(item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("engine") else 2
+
+    items.sort(key=rank)  # stable: collection order within each rank
