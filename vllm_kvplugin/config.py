@@ -42,6 +42,10 @@ FIELDS: tuple[FieldDoc, ...] = (
              "File (mode 0600) with the server's token, needed for a TCP server. Unset: "
              "`$VLLM_KVPLUGIN_TOKEN`. Both ends prove the token, neither sends it; the engine "
              "refuses a server that cannot prove it."),
+    FieldDoc("server_uid", (int, type(None)), None,
+             "The uid the server runs as, for a server of another user that shares itself with a "
+             "group of this process (`--allow-gid`). Unset: this process's uid. The socket's "
+             "directory and the pool must be that user's."),
     FieldDoc("server_timeout_s", (int, float), 5.0,
              "Upper bound on any single exchange with the server; on timeout the "
              "tokens are recomputed."),
@@ -80,6 +84,7 @@ class KVPluginConfig:
     cpu_bytes: int = 4 << 30
     server: str | None = None
     server_token_file: str | None = None
+    server_uid: int | None = None
     server_timeout_s: float = 5.0
     server_step_timeout_s: float = 0.05
     verify_checksums: bool = True

@@ -263,3 +263,87 @@ def test_token_files_must_be_private(short_tmp):
         auth.read_token(path, "server_token_file")
     os.chmod(path, 0o600)
     assert auth.read_token(path, "server_token_file") == TOKEN
+
+
+# ------------------------------------------------------------------ sharing with a group
+GROUP, MEMBER, OUTSIDER = 54320, 54321, 54322
+
+
+def _as_user(uid: int, groups: list[int], fn) -> str:
+    """``fn()`` in a forked child that became another user (the test runs as root); what it
+    returned, or ``ERROR <exception>``.  (A fork, not an exec: the venv's interpreter may sit
+    in a directory other users cannot read.)"""
+    import time
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(r)
+        try:
+            os.setgroups(groups)
+            os.setgid(groups[0])
+            os.setuid(uid)
+            out = str(fn())
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+            out = f"ERROR {type(exc).__name__}: {exc}"
+        os.write(w, out.encode()[:4000])
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the client as another user hung")
+        time.sleep(0.05)
+    with os.fdopen(r) as f:
+        return f.read()
+
+
+def _serve_me(address: str, seed: int = 5):
+    def run() -> str:
+        from srvutil import keys_for, load_and_check, oids_for, store
+
+        with MPClient(address, server_uid=0, timeout_s=3) as c:
+            keys = keys_for(seed, 3)
+            assert all(store(c, oids_for(keys, 1, 1, 1), 4096))
+            load_and_check(c, keys, 1, 1, 1, 4096)
+        return "SERVED"
+    return run
+
+
+def _open(path: str):
+    def run() -> str:
+        with open(path, "rb"):
+            return "OPENED"
+    return run
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running clients as other users needs root")
+def test_allow_gid_serves_the_group_and_nobody_else(server_factory):
+    """``--allow-gid G``: a process of another user in G stores and loads (its client checks
+    the server's uid on the directory and the pool); one outside G is refused (it cannot reach
+    the socket, nor open the pool); a server without the flag refuses the member even where
+    the file modes let it reach the socket (SO_PEERCRED)."""
+    import stat
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="kvs-grp-", dir="/tmp")
+    os.chmod(base, 0o755)
+    s = server_factory("--l1-bytes", "64MiB", "--allow-gid", str(GROUP), listen=f"unix://{base}/sock/s.sock")
+    pool = s.banner.split("(pool ", 1)[1].split(",", 1)[0]
+    st = os.stat(pool)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == GROUP
+    sock_dir = os.stat(os.path.join(base, "sock"))
+    assert stat.S_IMODE(sock_dir.st_mode) == 0o710 and sock_dir.st_gid == GROUP
+    assert _serve_me(s.address, seed=1)() == "SERVED"  # as root first: every module imported before the fork
+    assert _as_user(MEMBER, [GROUP], _serve_me(s.address)) == "SERVED"
+    assert _as_user(OUTSIDER, [OUTSIDER], _serve_me(s.address)).startswith("ERROR")
+    assert "PermissionError" in _as_user(OUTSIDER, [OUTSIDER], _open(pool))
+    s2 = server_factory("--l1-bytes", "64MiB", listen=f"unix://{base}/own/s.sock")
+    os.chmod(os.path.join(base, "own"), 0o711)
+    os.chmod(s2.address.split("://", 1)[1], 0o666)
+    got = _as_user(MEMBER, [GROUP], _serve_me(s2.address))
+    assert got.startswith("ERROR") and "uid 0 only" in got, got
+    with MPClient(s2.address) as c:
+        assert c.stats()["clients_refused"] >= 1

@@ -35,19 +35,25 @@ TICK_S = 0.05
 MAX_BATCH = 256
 
 
-def _prepare_unix_path(path: str) -> None:
-    """Private parent directory (created 0700 when it is the default one), no live server on ``path``.
+def _prepare_unix_path(path: str, group: int | None = None) -> None:
+    """Private parent directory (created 0700 when it is the default one; 0710 and given to
+    ``group`` with ``--allow-gid``), no live server on ``path``.
 
-    Clients trust a socket only in a directory of their user that nobody else can write
-    (``server/auth.py``): a socket elsewhere is refused here already."""
+    Clients trust a socket only in a directory of the server's user that nobody else can
+    write (``server/auth.py``): a socket elsewhere is refused here already."""
     parent = os.path.dirname(path)
+    mode = 0o700 if group is None else 0o710
     if parent == default_socket_dir() or not os.path.exists(parent):
         os.makedirs(parent, mode=0o700, exist_ok=True)
         st = os.lstat(parent)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             raise ServerConfigError(f"--listen {path!r}: {parent} is not a directory owned by this user")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(parent, 0o700)
+        if group is not None and st.st_gid != group:
+            os.chown(parent, -1, group)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(parent, mode)
+    if group is not None:
+        _check_reachable(path, group)
     try:
         auth.check_socket_dir(path)
     except auth.AuthError as exc:
@@ -68,6 +74,22 @@ def _prepare_unix_path(path: str) -> None:
             s.close()
 
 
+def _check_reachable(path: str, group: int) -> None:
+    """With ``--allow-gid``: the group's members must be able to reach the socket (every
+    directory above it searchable by them)."""
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        st = os.stat(d)
+        m = stat.S_IMODE(st.st_mode)
+        if not (m & 0o001 or (m & 0o010 and st.st_gid == group)):
+            raise ServerConfigError(f"--allow-gid {group}: members of the group cannot reach the socket: {d} "
+                                    f"(mode {oct(m)}, gid {st.st_gid}) is not searchable by them; listen in "
+                                    "a directory they can reach")
+        if d == "/":
+            return
+        d = os.path.dirname(d)
+
+
 class Server:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -78,7 +100,7 @@ class Server:
         self.router.setsockopt(zmq.MAXMSGSIZE, P.HARD_MESSAGE_BYTES)
         self.router.setsockopt(zmq.SNDHWM, 10000)
         self.router.setsockopt(zmq.RCVHWM, 10000)
-        self.pool = SharedPool(cfg.shm_dir, cfg.l1_bytes, cfg.prefault)
+        self.pool = SharedPool(cfg.shm_dir, cfg.l1_bytes, cfg.prefault, cfg.allow_gid)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -100,13 +122,16 @@ class Server:
     def _bind(self) -> P.Address:
         a = self.cfg.listen
         if a.kind == "unix":
-            _prepare_unix_path(a.path)
+            group = self.cfg.allow_gid
+            _prepare_unix_path(a.path, group)
             old = os.umask(0o177)
             try:
                 self.router.bind(a.zmq)
             finally:
                 os.umask(old)
-            os.chmod(a.path, 0o600)
+            if group is not None:
+                os.chown(a.path, -1, group)
+            os.chmod(a.path, 0o600 if group is None else 0o660)
             return a
         if ":" in a.host:
             self.router.setsockopt(zmq.IPV6, 1)
@@ -170,20 +195,26 @@ class Server:
         self._send(head, P.encode_reply(req_id, code=code, error=message))
 
     def _peer_allowed(self, frame: zmq.Frame) -> bool:
-        """A Unix peer must run as this server's user (``SO_PEERCRED`` of the connection)."""
+        """A Unix peer must run as this server's user, or be in the ``--allow-gid`` group
+        (``SO_PEERCRED`` of the connection; supplementary groups from ``/proc``)."""
         if self.address.kind != "unix":
             return True  # TCP: the token decides
         try:
-            return auth.peer_uid(frame.get(zmq.SRCFD)) == os.getuid()
+            pid, uid, gid = auth.peer_creds(frame.get(zmq.SRCFD))
         except (OSError, zmq.ZMQError):
             return False
+        if uid == os.getuid():
+            return True
+        g = self.cfg.allow_gid
+        return g is not None and (gid == g or g in auth.process_groups(pid))
 
     def _handle(self, zframes: list[zmq.Frame], now: float) -> None:
         frames = [f.bytes for f in zframes]
         ident = frames[0]
         if ident not in self.store.sessions and not self._peer_allowed(zframes[-1]):
             self.store.stats["clients_refused"] += 1
-            self._error([ident], 0, P.E_AUTH, f"this server serves processes of uid {os.getuid()} only")
+            who = f"uid {os.getuid()}" + ("" if self.cfg.allow_gid is None else f" and group {self.cfg.allow_gid}")
+            self._error([ident], 0, P.E_AUTH, f"this server serves processes of {who} only")
             return
         if len(frames) == 2:
             head, msg = [ident], frames[1]

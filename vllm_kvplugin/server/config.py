@@ -40,6 +40,7 @@ class ServerConfig:
     prefault: bool = False
     log_level: str = "INFO"
     remote: RemoteConfig | None = None
+    allow_gid: int | None = None  # processes of other users in this group may use the server
 
     @property
     def reap_s(self) -> float:
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the shared secret (>= 16 characters, mode 0600) every client must "
                         "prove it knows; required for any TCP address. Default: $VLLM_KVPLUGIN_TOKEN")
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: argv is public
+    p.add_argument("--allow-gid", type=int, default=None,
+                   help="also serve processes of other users in this group (Unix socket only): the socket's "
+                        "directory, the socket and the pool are given to the group; this user must be in it")
     p.add_argument("--lease-s", type=float, default=30.0,
                    help="a lookup pins what it found for this long after its last use (default 30)")
     p.add_argument("--heartbeat-s", type=float, default=2.0,
@@ -162,6 +166,12 @@ def config_from_args(argv: list[str] | None) -> ServerConfig:
     if a.l2_readers < 1:
         raise _flag_error("--l2-readers", a.l2_readers, "must be >= 1")
     remote = _remote_config(a)
+    if a.allow_gid is not None:
+        if listen.kind != "unix":
+            raise _flag_error("--allow-gid", a.allow_gid, "applies to Unix sockets (a TCP server is shared "
+                              "through its token)")
+        if os.geteuid() != 0 and a.allow_gid not in {os.getgid(), *os.getgroups()}:
+            raise _flag_error("--allow-gid", a.allow_gid, f"this user (uid {os.getuid()}) is not in the group")
     l2_dir = os.path.abspath(os.path.expanduser(a.l2_dir)) if a.l2_dir else None
     if l2_dir and os.path.exists(l2_dir) and not os.path.isdir(l2_dir):
         raise _flag_error("--l2-dir", a.l2_dir, "exists and is not a directory")
@@ -169,7 +179,7 @@ def config_from_args(argv: list[str] | None) -> ServerConfig:
                         lease_s=a.lease_s, heartbeat_s=a.heartbeat_s, reserve_s=a.reserve_s,
                         quarantine_s=a.quarantine_s, high_watermark=a.high_watermark,
                         low_watermark=a.low_watermark, shm_dir=a.shm_dir, l2_readers=a.l2_readers, prefault=a.prefault,
-                        log_level=a.log_level, remote=remote)
+                        log_level=a.log_level, remote=remote, allow_gid=a.allow_gid)
 
 
 def _remote_config(a: argparse.Namespace) -> RemoteConfig | None:

@@ -108,7 +108,7 @@ class SharedPool:
     sharing ``/dev/shm`` keeps its pool).  ``prefault`` also makes clients map it populated.
     """
 
-    def __init__(self, shm_dir: str, size: int, prefault: bool = False):
+    def __init__(self, shm_dir: str, size: int, prefault: bool = False, group: int | None = None):
         size -= size % PAYLOAD_ALIGN
         self.size = size
         sweep_stale_pools(shm_dir)
@@ -121,7 +121,9 @@ class SharedPool:
         self.path = os.path.join(shm_dir, name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.fchmod(fd, 0o600)
+            if group is not None:  # shared with the processes of a group (--allow-gid)
+                os.fchown(fd, -1, group)
+            os.fchmod(fd, 0o600 if group is None else 0o660)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
             try:

@@ -48,7 +48,7 @@ def _client(cfg: KVPluginConfig, name: str):
 
     return MPClient(cfg.server, token=read_token(cfg.server_token_file, "server_token_file"),
                     timeout_s=cfg.server_timeout_s,
-                    client_name=name)
+                    client_name=name, server_uid=cfg.server_uid)
 
 
 def _call(fn, *args, **kw):

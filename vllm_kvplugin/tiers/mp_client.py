@@ -121,8 +121,10 @@ class MPClient:
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0,
                  client_name: str | None = None, heartbeat: bool = True, retry_s: float = 1.0,
-                 lookup_wait_s: float | None = None):
+                 lookup_wait_s: float | None = None, server_uid: int | None = None):
         self.address = P.parse_address(address)
+        #: the user the server runs as: its socket directory and pool must be that user's
+        self.server_uid = os.getuid() if server_uid is None else int(server_uid)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.token = token
@@ -168,7 +170,7 @@ class MPClient:
 
     def _connect(self, deadline: float) -> bool:
         if self.address.kind == "unix":
-            self._trust(auth.check_socket_dir, self.address.path)  # before a byte is sent
+            self._trust(auth.check_socket_dir, self.address.path, self.server_uid)  # before a byte is sent
         if self._ctx is None:
             self._ctx = zmq.Context(1)
         s = self._ctx.socket(zmq.DEALER)
@@ -247,7 +249,7 @@ class MPClient:
             return
         try:
             self._pools.map(rep.pool_path, rep.pool_size, rep.prefaulted,
-                            lambda path, st: self._trust(auth.check_pool_file, path, st))
+                            lambda path, st: self._trust(auth.check_pool_file, path, st, self.server_uid))
         except PoolFileError as exc:
             raise TierUnavailable(str(exc)) from None
 
@@ -303,8 +305,8 @@ class MPClient:
                 if not rep.ok:
                     if rep.code == P.E_HELLO:  # reaped, or the server restarted under us
                         raise _SessionLost(rep.error)
-                    if rep.id == 0 and rep.code not in (P.E_MALFORMED, P.E_TOO_LARGE):
-                        continue
+                    if rep.id == 0 and rep.code not in (P.E_MALFORMED, P.E_TOO_LARGE, P.E_AUTH):
+                        continue  # (a refused peer gets id 0: the server reads nothing of it)
                     raise ServerError(rep.code, rep.error)
                 try:
                     return P.REP_DECODERS[op].decode(rep.body)
