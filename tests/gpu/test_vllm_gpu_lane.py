@@ -135,3 +135,27 @@ def _seed_method_on_gpu(model: str, backend: str, tier: dict) -> dict:
             return vllm_kvplugin.stats()
         finally:
             shutdown(llm)
+
+
+def test_verify_command_on_gpu(model, tmp_path):
+    """``vllm-kvplugin verify`` on the GPU (issue: the seeds' proof as one command): the model
+    of this lane, 1, 8 and 40 chunks +-1, every length identical after a proven load."""
+    import json
+
+    from harness import reset_vllm_globals
+
+    from vllm_kvplugin import cli
+
+    report = tmp_path / "verify.json"
+    try:
+        status = cli.main(["verify", "--model", model, "--lengths", f"{CHUNK},{8 * CHUNK},{40 * CHUNK}",
+                           "--kv-transfer-config", json.dumps({"chunk_size": CHUNK, "cpu_bytes": 4 << 30}),
+                           "--json", str(report), "--max-model-len", "12000", "--block-size", str(BLOCK),
+                           "--gpu-memory-utilization", "0.5"])
+    finally:
+        reset_vllm_globals()
+    rep = json.loads(report.read_text())
+    print("GPU LANE verify:", json.dumps([{k: r[k] for k in ("length", "hit", "verdict", "cold_ttft_s",
+                                                              "warm_ttft_s")} for r in rep["rows"]]))
+    assert status == 0 and rep["passed"], rep["rows"]
+    assert all(r["hit"] == r["expected_hit"] and r["loads_proven"] for r in rep["rows"])
