@@ -84,6 +84,31 @@ def test_partial_prefix_extends_from_the_store(server_factory, short_tmp, redis_
         load_and_check(cb, keys, 1, 1, 1, NBYTES)
 
 
+def test_per_group_rules_through_the_store(server_factory, short_tmp, redis_node):
+    """Attention (a prefix of chunks) + a recurrent group (one state at the hit): the store
+    holds states after chunks 3 and 5 only; B's hit is 5 chunks, and it reads exactly what
+    that hit needs -- 5 attention chunks and one state -- byte for byte."""
+    from srvutil import make_object
+
+    a, b = _pair(server_factory, short_tmp, redis_node.url)
+    keys = keys_for(20, 6)
+    attn = [object_id(k, 0, 0, 1) for k in keys]
+    states = [object_id(keys[i], 1, 0, 1) for i in (2, 4)]
+    needs = [(0, 0), (2, 0)]  # chunk.rules.Need.PREFIX, Need.POINT
+    with MPClient(a.address) as ca, MPClient(b.address) as cb:
+        assert all(store(ca, attn + states, NBYTES))
+        wait_for(lambda: ca.stats()["remote_puts"] == 8)
+        r = cb.lookup_detail(keys, needs, 1, 1, wait_s=5.0, fingerprint=FP)
+        assert r.hits == 5 and r.pinned_bytes == 6 * (HEADER_SIZE + NBYTES)
+        s = cb.stats()
+        assert s["remote_gets_started"] == 6 and s["remote_hit_objects"] == 6
+        for group, ks in ((0, keys[:5]), (1, keys[4:5])):
+            for k, (off, n) in zip(ks, cb.resolve(r.lease, ks, group, 0, 1)):
+                h, pl = make_object(object_id(k, group, 0, 1), NBYTES)
+                assert bytes(cb.object_view(off, n)) == h + pl
+        cb.release(r.lease)
+
+
 def test_corrupt_and_foreign_values_are_never_served(server_factory, short_tmp, redis_node):
     """A flipped payload byte, a value copied under another object's key, a value of another
     model fingerprint and one of another chunk format version: none is served; the bad ones
