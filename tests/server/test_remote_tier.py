@@ -228,6 +228,18 @@ def test_store_down_at_start_then_up(server_factory, short_tmp):
             r.stop()
 
 
+def test_cluster_down_at_start(server_factory, short_tmp):
+    """A cluster none of whose seed nodes answers: the server starts and serves from L1."""
+    cl = RedisCluster(short_tmp)  # not started: its ports are free
+    a = server_factory("--l1-bytes", "64MiB", "--remote", cl.url, listen=f"unix://{short_tmp}/a.sock")
+    keys = keys_for(21, 3)
+    with MPClient(a.address) as ca:
+        assert all(store(ca, oids_for(keys, 1, 1, 1), NBYTES))
+        load_and_check(ca, keys, 1, 1, 1, NBYTES)
+        s = ca.stats()
+        assert s["remote_enabled"] == 1 and s["remote_up"] == 0 and s["remote_failures"] >= 1
+
+
 def test_store_killed_restarted_and_stopped(server_factory, short_tmp, redis_node):
     """Killed mid-run: the servers keep serving L1, count the failures, and use the store
     again once it is back.  Stopped (SIGSTOP, a slow store): a lookup is answered within its

@@ -203,27 +203,43 @@ class RemoteStore:
         from redis.retry import Retry
 
         # no retries inside the client: a failure marks the store down and the back-off decides
-        common = dict(password=cfg.password, username=cfg.username, socket_timeout=cfg.timeout_s,
-                      socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
+        self._common = dict(password=cfg.password, username=cfg.username, socket_timeout=cfg.timeout_s,
+                            socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
         if cfg.tls:
-            common.update(ssl=True, ssl_ca_certs=cfg.tls_ca_file)
-        if cfg.cluster:
-            self.client = redis.cluster.RedisCluster(
-                startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cfg.nodes],
-                cluster_error_retry_attempts=1, **common)
-        else:
-            (host, port), = cfg.nodes
-            self.client = redis.Redis(host=host, port=port, db=cfg.db, **common)
+            self._common.update(ssl=True, ssl_ca_certs=cfg.tls_ca_file)
         tag = "{" + cfg.prefix + "}"
         self.ledger = [f"{tag}:ledger".encode(), f"{tag}:sizes".encode(), f"{tag}:used".encode()]
-        self._admit = self.client.register_script(_ADMIT)
-        self._forget = self.client.register_script(_FORGET)
+        self._client = None  # made by the first call (a cluster client connects when made)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = 0.0
         self.connected = False  # the last call reached the store
         self.reconnects = 0
         self.failures = 0
+
+    def _connected_client(self):
+        """The client, made on first use (inside :meth:`_call`: a store down at start is a failure
+        like any other, not a start-up error), with its two ledger scripts."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    import redis.cluster
+
+                    if self.cfg.cluster:
+                        c = redis.cluster.RedisCluster(
+                            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in self.cfg.nodes],
+                            cluster_error_retry_attempts=1, **self._common)
+                    else:
+                        (host, port), = self.cfg.nodes
+                        c = redis.Redis(host=host, port=port, db=self.cfg.db, **self._common)
+                    self._admit, self._forget = c.register_script(_ADMIT), c.register_script(_FORGET)
+                    self._client = c
+        return self._client
+
+    @property
+    def client(self):
+        """The Redis client (made now if needed; raises the client's errors)."""
+        return self._connected_client()
 
     # ------------------------------------------------------------------ keys
     def key(self, fingerprint: bytes, oid: bytes) -> bytes:
@@ -234,11 +250,12 @@ class RemoteStore:
     def up(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _call(self, fn, *args, **kw):
+    def _call(self, fn):
+        """``fn(client)``, with the back-off: raises :class:`RemoteDown` or :class:`RemoteFull`."""
         if time.monotonic() < self._down_until:
             raise RemoteDown("in back-off after a failure")
         try:
-            out = fn(*args, **kw)
+            out = fn(self._connected_client())
         except self._full as exc:
             self.connected = True
             raise RemoteFull(str(exc)) from exc
@@ -262,7 +279,7 @@ class RemoteStore:
 
     def ping(self) -> bool:
         try:
-            return bool(self._call(self.client.ping))
+            return bool(self._call(lambda c: c.ping()))
         except (RemoteDown, RemoteFull, self._redis_error):
             return False
 
@@ -271,15 +288,15 @@ class RemoteStore:
         """Admit under the budget and write: (``"ok"``, ``"exists"`` (admitted before) or
         ``"too_large"``, older objects evicted for it).  Raises :class:`RemoteDown`,
         :class:`RemoteFull` or a Redis error."""
-        got = self._call(self._admit, keys=self.ledger,
-                         args=[key, data.nbytes, self.cfg.budget_bytes, int(self.cfg.ttl_s * 1000)])
+        got = self._call(lambda c: self._admit(keys=self.ledger, args=[
+            key, data.nbytes, self.cfg.budget_bytes, int(self.cfg.ttl_s * 1000)]))
         status, now, victims = int(got[0]), int(got[1]), got[2:]
         if status <= 0:
             return ("exists" if status == 0 else "too_large"), 0
         if victims:
             self._delete_keys(victims)
         try:
-            self._call(self.client.set, key, data, pxat=now + int(self.cfg.ttl_s * 1000))
+            self._call(lambda c: c.set(key, data, pxat=now + int(self.cfg.ttl_s * 1000)))
         except BaseException:
             self._forget_quietly(key)
             raise
@@ -287,47 +304,48 @@ class RemoteStore:
 
     def _delete_keys(self, keys: list[bytes]) -> None:
         if self.cfg.cluster:  # keys of other slots: one DEL each, batched per node by the pipeline
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.delete(k)
-            self._call(pipe.execute)
+            self._pipelined("delete", keys)
         else:
-            self._call(self.client.delete, *keys)
+            self._call(lambda c: c.delete(*keys))
 
     def _forget_quietly(self, key: bytes) -> None:
         try:
-            self._call(self._forget, keys=self.ledger, args=[key])
+            self._call(lambda c: self._forget(keys=self.ledger, args=[key]))
         except Exception:
             pass  # the entry expires with its TTL
 
     def delete(self, key: bytes) -> None:
         """Delete a value and its ledger entry (a corrupt or foreign value)."""
-        self._call(self.client.delete, key)
-        self._call(self._forget, keys=self.ledger, args=[key])
+        self._call(lambda c: c.delete(key))
+        self._call(lambda c: self._forget(keys=self.ledger, args=[key]))
 
     def sizes(self, keys: list[bytes]) -> list[int]:
         """The byte size of each key's value (0: absent), one pipeline per batch (per node on a cluster)."""
         out: list[int] = []
         for i in range(0, len(keys), PROBE_BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys[i:i + PROBE_BATCH]:
-                pipe.strlen(k)
-            out += [int(x) for x in self._call(pipe.execute)]
+            out += [int(x) for x in self._pipelined("strlen", keys[i:i + PROBE_BATCH])]
         return out
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(k)
-        return self._call(pipe.execute)
+        return self._pipelined("get", keys)
+
+    def _pipelined(self, command: str, keys: list[bytes]) -> list:
+        """One ``command key`` per key in one pipeline (on a cluster: one per node)."""
+        def run(c):
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                getattr(pipe, command)(k)
+            return pipe.execute()
+        return self._call(run)
 
     def used_bytes(self) -> int:
         """The bytes the ledger counts as admitted (every server's objects under this prefix)."""
-        return int(self._call(self.client.get, self.ledger[2]) or 0)
+        return int(self._call(lambda c: c.get(self.ledger[2])) or 0)
 
     def close(self) -> None:
         try:
-            self.client.close()
+            if self._client is not None:
+                self._client.close()
         except Exception:
             pass
 
