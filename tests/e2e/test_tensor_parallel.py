@@ -110,3 +110,19 @@ def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
     # the store failure: the next request finds the prefix before the failed chunks, stores them
     # again, and from then on the whole prompt hits
     assert by_tag["after-store-fault-2"][0]["cached"] == max_loadable_tokens(q + 2 * CHUNK + 5, CHUNK)
+
+
+def test_verify_with_tp2(qwen3_model, tmp_path):
+    """``vllm-kvplugin verify --tp 2`` (its own process: TP workers are spawned): both ranks
+    poisoned and their loads proven through ``collective_rpc``."""
+    report = tmp_path / "verify.json"
+    argv = [sys.executable, "-m", "vllm_kvplugin.cli", "verify", "--model", qwen3_model, "--tp", "2",
+            "--lengths", str(4 * CHUNK), "--kv-transfer-config", json.dumps({"chunk_size": CHUNK}),
+            "--json", str(report), "--quiet", "--max-num-batched-tokens", str(CHUNK), "--max-model-len", "2048",
+            "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--block-size", str(BLOCK)]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=_cpu_bind(), TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd="/", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert [r["rank"] for r in rep["ranks"]] == [0, 1] and rep["passed"]
+    assert all(r["hit"] == r["expected_hit"] > 0 and r["loads_proven"] for r in rep["rows"]), rep["rows"]
