@@ -109,6 +109,26 @@ def test_per_group_rules_through_the_store(server_factory, short_tmp, redis_node
         cb.release(r.lease)
 
 
+def test_room_for_remote_reads_never_evicts_what_the_hit_needs(server_factory, short_tmp, redis_node):
+    """Two groups; B's small L1 holds group 1 of a prompt whose group 0 only the store has:
+    making room for the remote reads never evicts the group-1 objects the hit needs; the hit
+    is as long as the room allows, every byte right, and the server keeps serving."""
+    a = server_factory("--l1-bytes", "64MiB", "--remote", redis_node.url, listen=f"unix://{short_tmp}/a.sock")
+    b = server_factory("--l1-bytes", "2MiB", "--remote", redis_node.url, listen=f"unix://{short_tmp}/b.sock")
+    keys = keys_for(22, 20)
+    g0 = [object_id(k, 0, 0, 1) for k in keys]
+    g1 = [object_id(k, 1, 0, 1) for k in keys]
+    with MPClient(a.address) as ca, MPClient(b.address) as cb:
+        assert all(store(ca, g0 + g1, NBYTES))
+        wait_for(lambda: ca.stats()["remote_puts"] == 40)
+        assert all(store(cb, g1, NBYTES))
+        r = cb.lookup_detail(keys, [(0, 0), (0, 0)], 1, 1, wait_s=5.0, fingerprint=FP)
+        assert 0 < r.hits < 20, r.hits  # 2 MiB cannot hold 40 objects of 64 KiB
+        cb.release(r.lease)
+        load_and_check(cb, keys[:r.hits], 2, 1, 1, NBYTES)
+        assert cb.stats()["remote_get_failures"] == 0
+
+
 def test_corrupt_and_foreign_values_are_never_served(server_factory, short_tmp, redis_node):
     """A flipped payload byte, a value copied under another object's key, a value of another
     model fingerprint and one of another chunk format version: none is served; the bad ones

@@ -51,7 +51,7 @@ REMOTE_COUNTERS = (
     "remote_put_errors", "remote_puts_skipped_down", "remote_puts_skipped_backlog", "remote_budget_evictions",
     "remote_probes", "remote_probe_errors", "remote_probes_skipped_down", "remote_probe_found_objects",
     "remote_gets_started", "remote_hit_objects", "remote_hit_bytes", "remote_get_failures",
-    "remote_corrupt_objects", "remote_deletes", "remote_delete_errors",
+    "remote_corrupt_objects", "remote_deletes", "remote_delete_errors", "remote_internal_errors",
 )
 #: a value that is there but is not the object it should be: deleted from the store
 _CORRUPT = {"checksum", "header_mismatch", "short_read", "bad_magic", "version", "header_checksum",
@@ -148,37 +148,42 @@ class RemoteOps:
         hit = best_hit(len(keys) // KEY_SIZE, p.first, p.needs, usable)
         if hit <= p.hit:
             return
-        batch, batch_bytes = [], 0
-        for oid in self._needed(keys, p.needs, p.first, hit, sfx):
-            if oid in p.pinned:
-                continue
+        needed = [oid for oid in self._needed(keys, p.needs, p.first, hit, sfx) if oid not in p.pinned]
+        for oid in needed:  # first pin what this server holds: making room below must not evict it
             e = get(oid)
-            if e is None:  # only in the store: read it into an L1 block
-                size = found[oid]
-                bsize = block_size_for(size)
-                if bsize > self.alloc.capacity:
-                    break
-                off = self._alloc(bsize)
-                if off is None:
-                    break  # no room: the hit ends before it
-                e = Obj(oid, size, PROMOTING)
-                e.block, e.bsize, e.fp = off, bsize, p.fingerprint
-                self.objs[oid] = e
-                p.waiting.add(oid)
-                batch.append((oid, e.offset, size, e))
-                batch_bytes += size
-                if batch_bytes >= GET_BATCH_BYTES:
-                    self._remote_get(p.fingerprint, batch)
-                    batch, batch_bytes = [], 0
-            elif not self._promote_for(p, e):
+            if e is not None:
+                self._pin_for(p, e)
+        for e in [p.pinned[oid] for oid in needed if oid in p.pinned]:
+            if not self._promote_for(p, e):  # L2 only and no room: the hit ends before it
                 break
-            e.pins += 1
-            if e.pins == 1:
-                self.lru.pop(oid, None)
-            p.pinned[oid] = e
+        batch, batch_bytes = [], 0
+        for oid in needed:
+            if oid in p.pinned or oid not in found:
+                continue
+            size = found[oid]
+            bsize = block_size_for(size)
+            off = self._alloc(bsize) if bsize <= self.alloc.capacity else None
+            if off is None:
+                break  # no room: the hit ends before it
+            e = Obj(oid, size, PROMOTING)  # only in the store: read into this L1 block
+            e.block, e.bsize, e.fp = off, bsize, p.fingerprint
+            self.objs[oid] = e
+            p.waiting.add(oid)
+            self._pin_for(p, e)
+            batch.append((oid, e.offset, size, e))
+            batch_bytes += size
+            if batch_bytes >= GET_BATCH_BYTES:
+                self._remote_get(p.fingerprint, batch)
+                batch, batch_bytes = [], 0
         if batch:
             self._remote_get(p.fingerprint, batch)
         p.hit = hit  # _make_lease chooses again from what is READY when the lookup is answered
+
+    def _pin_for(self, p, e: Obj) -> None:
+        e.pins += 1
+        if e.pins == 1:
+            self.lru.pop(e.oid, None)
+        p.pinned[e.oid] = e
 
     def _remote_get(self, fingerprint: bytes, items: list) -> None:
         self.stats["remote_gets_started"] += len(items)
@@ -223,14 +228,18 @@ class RemoteOps:
                 job = q.get_nowait()
             except Exception:
                 return
-            if isinstance(job, PutJob):
-                self._put_done(job)
-            elif isinstance(job, ProbeJob):
-                self._probe_done(job)
-            elif isinstance(job, GetJob):
-                self._get_done(job)
-            elif isinstance(job, DeleteJob):
-                self.stats["remote_deletes" if job.result == "ok" else "remote_delete_errors"] += 1
+            try:
+                if isinstance(job, PutJob):
+                    self._put_done(job)
+                elif isinstance(job, ProbeJob):
+                    self._probe_done(job)
+                elif isinstance(job, GetJob):
+                    self._get_done(job)
+                elif isinstance(job, DeleteJob):
+                    self.stats["remote_deletes" if job.result == "ok" else "remote_delete_errors"] += 1
+            except Exception:  # a bug here must not take the server down; its lookup times out
+                logger.exception("remote tier: handling a finished %s failed", type(job).__name__)
+                self.stats["remote_internal_errors"] += 1
 
     def _put_done(self, job: PutJob) -> None:
         e: Obj = job.token
