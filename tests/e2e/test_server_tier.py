@@ -237,7 +237,7 @@ def test_a_stopped_server_never_stalls_running_requests(qwen3_model, server, mon
         def cold_after_stop(self, request, num_computed):
             """The cold request is looked up (a miss) while the server runs, and scheduled only
             once it is stopped: its prefill, and so its stores, always meet the stopped server."""
-            if request.request_id != "cold":
+            if list(request.prompt_token_ids) != cold:  # (vLLM may rewrite request ids: 0.26 does)
                 return match(self, request, num_computed)
             if not cold_miss:
                 got = match(self, request, num_computed)
