@@ -1,6 +1,6 @@
 """An engine on another "machine": generate prompts through its own cache server, print the outputs.
 
-:mod:`test_remote_tier` runs this as its own ``python`` process (engine A, cache server A):
+:mod:`test_remote_engines` runs this as its own ``python`` process (engine A, cache server A):
 the prompts' chunks go to server A and through it to the shared remote store.  Prints one
 ``RESULT {json}`` line: per prompt the output tokens, and the plugin's counters.
 """
