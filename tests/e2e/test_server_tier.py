@@ -182,12 +182,16 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                 warm = generate(llm, [p2])[0]
                 assert time.monotonic() - t0 < 30, "a request waited on a dead server"
                 monkeypatch.undo()
-                assert warm.token_ids == want_p2 and warm.num_cached_tokens == 0
+                # a restarted server may be asked again once the client's back-off is over: it finds
+                # the prefix in its L2 and that hit, verified like any other, is right
+                again = when == "restarted-during-load" and warm.num_cached_tokens == 12 * CHUNK
+                assert warm.token_ids == want_p2 and (warm.num_cached_tokens == 0 or again), warm
                 s = vllm_kvplugin.stats()
                 if when == "before-load":
                     assert s["server_lookup_errors"] >= 1
                 else:  # the hit was found, then could not be fetched: never claimed
-                    assert sum(s["load_failures"].values()) >= 1 and s["hit_tokens"] == 0, s
+                    assert sum(s["load_failures"].values()) >= 1, s
+                    assert s["hit_tokens"] == warm.num_cached_tokens, s
                 if when == "stopped-during-load":
                     server.proc.send_signal(signal.SIGCONT)
                 elif when != "restarted-during-load":
