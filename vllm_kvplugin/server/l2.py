@@ -289,9 +289,15 @@ class L2Workers:
             view.release()
 
     def stop(self, timeout: float) -> None:
-        self.writes.put(None)
-        for _ in self._threads[1:]:
-            self.reads.put(None)
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        stop_threads(self._threads, self.writes, self.reads, timeout)
+
+
+def stop_threads(threads: list[threading.Thread], writes: queue.Queue, reads: queue.Queue,
+                 timeout: float) -> None:
+    """End a writer (``threads[0]``, after what ``writes`` holds) and readers, waiting at most ``timeout``."""
+    writes.put(None)
+    for _ in threads[1:]:
+        reads.put(None)
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))

@@ -122,11 +122,7 @@ class LeaseOps:
         p = PendingLookup(ident, req_id, reply_frames, s, keys, needs, first, ranks, world, hit, {},
                           now + wait_s)
         for oid in self._needed(keys, needs, first, hit, sfx) if hit else ():
-            e = get(oid)
-            e.pins += 1
-            if e.pins == 1:
-                self.lru.pop(oid, None)
-            p.pinned[oid] = e
+            self._pin_for(p, get(oid))
         for e in p.pinned.values():  # bring L2-only objects back; without room they stay out of the hit
             if not self._promote_for(p, e):
                 break
@@ -136,6 +132,13 @@ class LeaseOps:
             return self._make_lease(p, now)
         self.pending.append(p)
         return p
+
+    def _pin_for(self, p: PendingLookup, e) -> None:
+        """Pin ``e`` for lookup ``p`` (out of the LRU while pinned)."""
+        e.pins += 1
+        if e.pins == 1:
+            self.lru.pop(e.oid, None)
+        p.pinned[e.oid] = e
 
     def _promote_for(self, p: PendingLookup, e) -> bool:
         """Start reading ``e`` back from L2 for ``p`` if it is only there; False if L1 has no room."""

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 from vllm_kvplugin.chunk.format import FORMAT_VERSION
 from vllm_kvplugin.server.auth import AuthError, read_secret_file
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, HeaderError, parse_header
-from vllm_kvplugin.server.l2 import verify_object
+from vllm_kvplugin.server.l2 import stop_threads, verify_object
 
 logger = logging.getLogger(__name__)
 
@@ -480,10 +480,5 @@ class RemoteWorkers:
         return self.writes.qsize()
 
     def stop(self, timeout: float) -> None:
-        self.writes.put(None)
-        for _ in self._threads[1:]:
-            self.reads.put(None)
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        stop_threads(self._threads, self.writes, self.reads, timeout)
         self.store.close()

@@ -179,12 +179,6 @@ class RemoteOps:
             self._remote_get(p.fingerprint, batch)
         p.hit = hit  # _make_lease chooses again from what is READY when the lookup is answered
 
-    def _pin_for(self, p, e: Obj) -> None:
-        e.pins += 1
-        if e.pins == 1:
-            self.lru.pop(e.oid, None)
-        p.pinned[e.oid] = e
-
     def _remote_get(self, fingerprint: bytes, items: list) -> None:
         self.stats["remote_gets_started"] += len(items)
         self.remote.reads.put(GetJob(fingerprint, items))
