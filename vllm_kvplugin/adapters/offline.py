@@ -45,6 +45,14 @@ def on_workers(llm, fn: Callable, *args: Any) -> list:
     return llm.collective_rpc(fn, args=args)
 
 
+def shutdown(llm) -> None:
+    """Stop the engine's core (and its worker processes) now; errors while stopping are ignored."""
+    from contextlib import suppress
+
+    with suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
 def reset_prefix_cache(llm) -> None:
     """vLLM's own prefix cache forgets everything (the connector's tiers keep theirs)."""
     llm.reset_prefix_cache()

@@ -200,10 +200,7 @@ def run(a: argparse.Namespace, rest: list[str]) -> int:
                             round(cold_ttft, 4), round(warm_ttft, 4), detail))
         say(f"{_bar(len(lengths), len(lengths))} done")
     finally:
-        from contextlib import suppress
-
-        with suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        offline.shutdown(llm)
     ok = all(r.passed for r in rows)
     print(table(rows))
     print(f"\n{'PASS' if ok else 'FAIL'}: {sum(r.passed for r in rows)}/{len(rows)} lengths identical after "
