@@ -70,17 +70,19 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
     """One engine, all prompts; runs in a child process (``--child``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+    from stage_timers import StageTimers
     from vllm import LLM
 
     import vllm_kvplugin
 
+    timers = StageTimers().install()
     ktc = transfer_config(mode, chunk, host_bytes, server)
     max_len = max(lengths) + 64
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5, block_size=block, kv_transfer_config=ktc, seed=0,
               max_num_batched_tokens=max_len)
     rows = measure(llm, lengths, reset_prefix_cache=mode != "vllm-apc", primer=True,
-                   settle_s=0.5)  # asynchronous stores (vLLM's offloading) finish
+                   settle_s=0.5, timers=timers)  # settle: asynchronous stores (vLLM's offloading) finish
     stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
     return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
 
@@ -97,7 +99,7 @@ def build_model() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="8193,16385,32769")
+    ap.add_argument("--lengths", default="8193,16385,32769,65537")
     ap.add_argument("--modes", default="baseline,vllm-apc,kvplugin,kvplugin-noverify,kvplugin-server,vllm-offloading")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256)
@@ -142,6 +144,11 @@ def main() -> int:
             link_s = row["kvplugin_warm_cached_tokens"] * bpt / link
             row["link_s"] = round(link_s, 4)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
+        for res in results:  # where the warm request's time went, per stage (seconds)
+            r = next(x for x in res["rows"] if x["prompt_tokens"] == row["prompt_tokens"])
+            if r.get("warm_stages"):
+                row[f"{res['mode']}_warm_stages"] = {k: v["s"] if isinstance(v, dict) else v
+                                                     for k, v in r["warm_stages"].items()}
     doc = {
         "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC if args.model is None else args.model, "kv_bytes_per_token": SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2,

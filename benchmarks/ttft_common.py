@@ -21,13 +21,14 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
-            settle_s: float = 0.0) -> list[dict]:
+            settle_s: float = 0.0, timers=None) -> list[dict]:
     """In a child: per length, the cold and the warm TTFT of one prompt (a 1-token generate),
     then 8 greedy tokens to compare with the baseline's.
 
     ``reset_prefix_cache``: vLLM's GPU prefix cache is emptied before each request (a hit
     can only come from the connector); ``primer``: one unmeasured request of that length on
-    other tokens first (its kernels); ``settle_s``: a pause between cold and warm.
+    other tokens first (its kernels); ``settle_s``: a pause between cold and warm; ``timers``:
+    a :class:`stage_timers.StageTimers` whose stages of the cold and warm requests are kept.
     """
     from vllm import SamplingParams
 
@@ -45,21 +46,35 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
     # the first hit after start-up, measured apart (its first-use costs), before the measured ones
     first = tokens(lengths[0], 7 * 10**6)
     once(first)
+    if timers:
+        timers.reset()
     first_hit_s, _ = once(first)
+    first_stages = timers.collect() if timers else None
     rows = []
     for n in lengths:
         if primer:  # other tokens (Random(-n) would seed like Random(n))
             once(tokens(n, 10**6 + n))
         p = tokens(n, n)
+        stages = {}
+        if timers:
+            timers.reset()
         cold, oc = once(p)
+        if timers:
+            stages["cold_stages"] = timers.collect()
         time.sleep(settle_s)
+        if timers:
+            timers.reset()
         warm, ow = once(p)
+        if timers:
+            stages["warm_stages"] = timers.collect()
         _, ox = once(p, spx)
+        if timers and n == lengths[0]:
+            stages["first_hit_stages"] = first_stages
         rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
                      "first_hit_warm_s": round(first_hit_s, 4) if n == lengths[0] else None,
                      "warm_cached_tokens": int(ow.num_cached_tokens or 0),
                      "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
-                     "continuation": list(ox.outputs[0].token_ids)})
+                     "continuation": list(ox.outputs[0].token_ids), **stages})
     return rows
 
 

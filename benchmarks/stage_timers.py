@@ -1,0 +1,112 @@
+"""Where a request's time goes, per stage, in a benchmark's engine process (GPU).
+
+``StageTimers().install()`` wraps, in this process only and before the engine is made:
+
+* ``step``      - each engine step (host wall time, ``EngineCore.step``);
+* ``forward``   - the model runner's ``execute_model`` (CUDA events on the compute stream);
+* ``fetch``     - the worker's fetch of a held-back hit: header checks, hashing, the prefetch
+  issued (host wall time);
+* ``verify``    - the payload hashing inside a fetch (host wall time);
+* ``h2d``       - the prefetch's copy over the link (CUDA events on the engine's H2D stream);
+* ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
+  ``scatter`` is the part from the device staging into the paged cache;
+* ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued).
+
+``reset()`` before a request, ``collect()`` after it (synchronizes the device): seconds per
+stage (summed) and the count of each.  Benchmark-only: the plugin itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import defaultdict
+
+
+class StageTimers:
+    def __init__(self):
+        self._host: dict[str, list[float]] = defaultdict(list)
+        self._cuda: dict[str, list[tuple[object, object]]] = defaultdict(list)
+        self._local = threading.local()
+
+    # ---------------------------------------------------------------- wrappers
+    def _wrap_host(self, owner, name: str, stage: str, flag: str | None = None) -> None:
+        orig = getattr(owner, name)
+
+        @functools.wraps(orig)
+        def timed(*a, **k):
+            if flag:
+                setattr(self._local, flag, True)
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self._host[stage].append(time.perf_counter() - t0)
+                if flag:
+                    setattr(self._local, flag, False)
+        setattr(owner, name, timed)
+
+    def _wrap_cuda(self, owner, name: str, stage: str, stream_of) -> None:
+        import torch
+
+        orig = getattr(owner, name)
+
+        @functools.wraps(orig)
+        def timed(obj, *a, **k):
+            stream = stream_of(obj)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            out = orig(obj, *a, **k)
+            end.record(stream)
+            self._cuda[stage].append((start, end))
+            return out
+        setattr(owner, name, timed)
+
+    def install(self) -> StageTimers:
+        import torch
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from vllm_kvplugin.connector import worker as wmod
+        from vllm_kvplugin.transfer.cuda import CudaTransfer
+
+        self._wrap_host(EngineCore, "step", "step")
+        self._wrap_cuda(GPUModelRunner, "execute_model", "forward", lambda _: torch.cuda.current_stream())
+        self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
+        self._wrap_host(wmod.WorkerSide, "store", "store_issue")
+        orig_sums = wmod.payload_checksums
+
+        def sums(payloads):
+            if not getattr(self._local, "in_fetch", False):
+                return orig_sums(payloads)
+            t0 = time.perf_counter()
+            try:
+                return orig_sums(payloads)
+            finally:
+                self._host["verify"].append(time.perf_counter() - t0)
+        wmod.payload_checksums = sums
+        self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
+        self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
+        self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)
+        return self
+
+    # ------------------------------------------------------------------ results
+    def reset(self) -> None:
+        self._host.clear()
+        self._cuda.clear()
+
+    def collect(self) -> dict:
+        """Seconds per stage (summed over the request) and how many of each."""
+        import torch
+
+        torch.cuda.synchronize()
+        out = {}
+        for stage, times in self._host.items():
+            out[stage] = {"s": round(sum(times), 5), "n": len(times)}
+        for stage, pairs in self._cuda.items():
+            out[stage] = {"s": round(sum(a.elapsed_time(b) for a, b in pairs) / 1e3, 5), "n": len(pairs)}
+        if "step" in self._host:
+            out["steps_s"] = [round(t, 5) for t in self._host["step"]]
+        self.reset()
+        return out
