@@ -2,7 +2,8 @@
 
 ``StageTimers().install()`` wraps, in this process only and before the engine is made:
 
-* ``step``      - each engine step (host wall time, ``EngineCore.step``);
+* ``step``      - each engine step (host wall time, ``EngineCore.step`` or, with async
+  scheduling, ``step_with_batch_queue``);
 * ``forward``   - the model runner's ``execute_model`` (CUDA events on the compute stream);
 * ``fetch``     - the worker's fetch of a held-back hit: header checks, hashing, the prefetch
   issued (host wall time);
@@ -10,7 +11,8 @@
 * ``h2d``       - the prefetch's copy over the link (CUDA events on the engine's H2D stream);
 * ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
   ``scatter`` is the part from the device staging into the paged cache;
-* ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued).
+* ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued);
+* ``alloc``     - staging buffers allocated by the transfer engine (host wall time).
 
 ``reset()`` before a request, ``collect()`` after it (synchronizes the device): seconds per
 stage (summed) and the count of each.  Benchmark-only: the plugin itself is unchanged.
@@ -72,6 +74,7 @@ class StageTimers:
         from vllm_kvplugin.transfer.cuda import CudaTransfer
 
         self._wrap_host(EngineCore, "step", "step")
+        self._wrap_host(EngineCore, "step_with_batch_queue", "step")
         self._wrap_cuda(GPUModelRunner, "execute_model", "forward", lambda _: torch.cuda.current_stream())
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
@@ -87,6 +90,7 @@ class StageTimers:
                 self._host["verify"].append(time.perf_counter() - t0)
         wmod.payload_checksums = sums
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
+        self._wrap_host(CudaTransfer, "_alloc", "alloc")
         self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
         self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)
         return self

@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,8 +23,8 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
             settle_s: float = 0.0, timers=None) -> list[dict]:
-    """In a child: per length, the cold and the warm TTFT of one prompt (a 1-token generate),
-    then 8 greedy tokens to compare with the baseline's.
+    """In a child: per length, the cold TTFT of one prompt (a 1-token generate) and the median
+    of three warm ones, then 8 greedy tokens to compare with the baseline's.
 
     ``reset_prefix_cache``: vLLM's GPU prefix cache is emptied before each request (a hit
     can only come from the connector); ``primer``: one unmeasured request of that length on
@@ -67,6 +68,7 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
         warm, ow = once(p)
         if timers:
             stages["warm_stages"] = timers.collect()
+        warm = statistics.median([warm] + [once(p)[0] for _ in range(2)])  # 3 warm runs: their median
         _, ox = once(p, spx)
         if timers and n == lengths[0]:
             stages["first_hit_stages"] = first_stages

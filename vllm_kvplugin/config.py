@@ -55,6 +55,11 @@ FIELDS: tuple[FieldDoc, ...] = (
              "in a running request's inter-token gap."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the xxh3 payload checksum of every chunk before it reaches the KV cache."),
+    FieldDoc("gpu_staging_bytes", (int, type(None)), None,
+             "CUDA: the most device memory the transfer engine's staging buffers hold (outside "
+             "vLLM's memory budget). A hit is copied toward the GPU while it is verified only as "
+             "far as it fits. Unset: a quarter of the GPU, and never more than what is free beyond "
+             "2 GiB when a buffer grows."),
     FieldDoc("certify", (bool,), True,
              "Compare the gather/scatter kernels with the independent layout reference at start-up."),
     FieldDoc("model_id", (str, type(None)), None,
@@ -88,6 +93,7 @@ class KVPluginConfig:
     server_timeout_s: float = 5.0
     server_step_timeout_s: float = 0.05
     verify_checksums: bool = True
+    gpu_staging_bytes: int | None = None
     certify: bool = True
     model_id: str | None = None
     state_interval: int = 1
@@ -123,6 +129,8 @@ class KVPluginConfig:
             raise ConfigError(f"vllm-kvplugin: state_interval must be > 0, got {self.state_interval}")
         if self.cpu_bytes < 0:
             raise ConfigError(f"vllm-kvplugin: cpu_bytes must be >= 0, got {self.cpu_bytes}")
+        if self.gpu_staging_bytes is not None and self.gpu_staging_bytes < 0:
+            raise ConfigError(f"vllm-kvplugin: gpu_staging_bytes must be >= 0, got {self.gpu_staging_bytes}")
         if self.server_timeout_s <= 0:
             raise ConfigError(f"vllm-kvplugin: server_timeout_s must be > 0, got {self.server_timeout_s}")
         if self.server_step_timeout_s <= 0:

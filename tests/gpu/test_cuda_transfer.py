@@ -322,3 +322,61 @@ def test_engine_for_cuda_device():
     assert isinstance(eng, CudaTransfer)
     assert eng.name in ("cuda", "cuda-torch")
     assert eng.done(None)
+
+
+def _prefetch_case(eng, C=4, T=64, seed=28):
+    gen = torch.Generator().manual_seed(seed)
+    case, layout, layers = _layout("v026-nhd", gen)
+    slots = _slots(layout, C, T, gen)
+    _, bufs = _host_bufs(layout, C, T, gen)
+    return case, layout, layers, slots, bufs
+
+
+def _load_prefetched(eng, layout, layers, slots, bufs):
+    """Prefetch, then load every chunk (the prefetched rows from the device, the rest over the
+    link); the cache must then hold what the reference scatter writes."""
+    want = [r.clone() for r in layers]
+    reference_scatter(layout, _ref_views(want, layout.dtype), slots.cuda(),
+                      _ref_chunk(torch.cat(bufs).cuda()))
+    pre = eng.prefetch(layout, bufs)
+    rows = 0 if pre is None else pre.rows
+    if rows:
+        eng.load(layout, layers, slots[:rows], bufs[:rows], staged=(pre, list(range(rows))))
+    eng.load(layout, layers, slots[rows:], bufs[rows:])
+    eng.release(pre)
+    torch.cuda.synchronize()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))
+    return rows
+
+
+def test_prefetch_takes_what_the_staging_cap_allows():
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    case, layout, layers, slots, bufs = _prefetch_case(eng)
+    eng._fixed_cap = 2 * bufs[0].nbytes
+    assert _load_prefetched(eng, layout, layers, slots, bufs) == 2
+
+
+def test_automatic_staging_cap_follows_free_device_memory(monkeypatch):
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    free, total = torch.cuda.mem_get_info()
+    assert eng.staging_cap_bytes == min(total // 4, free - (2 << 30))  # no staging held yet
+    assert eng.staging_cap_bytes > 4 << 30  # an H200 with room: a 64k-token hit of an 8B model fits
+    case, layout, layers, slots, bufs = _prefetch_case(eng)
+    assert _load_prefetched(eng, layout, layers, slots, bufs) == len(bufs)
+    held = sum(e.tensor.numel() for e in eng._pool)
+    # a device with 3 chunks' room beyond the reserve: the staging held plus that room
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: ((2 << 30) + 3 * bufs[0].nbytes, total))
+    assert eng.staging_cap_bytes == held + 3 * bufs[0].nbytes
+
+
+def test_a_prefetch_without_device_memory_leaves_the_load_to_copy(monkeypatch):
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    case, layout, layers, slots, bufs = _prefetch_case(eng, seed=29)
+    eng._pool.clear()
+
+    def oom(nbytes):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    monkeypatch.setattr(eng, "_alloc", oom)
+    assert eng.prefetch(layout, bufs) is None
+    monkeypatch.undo()
+    assert _load_prefetched(eng, layout, layers, slots, bufs) == len(bufs)

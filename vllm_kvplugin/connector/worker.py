@@ -147,7 +147,7 @@ class WorkerSide:
             self.layouts.append(layout)
             self.layers.append(layers)
         self.device = next(t.device for t in kv_caches.values() if isinstance(t, torch.Tensor))
-        self.engine = engine_for(self.device)
+        self.engine = engine_for(self.device, self.cfg.gpu_staging_bytes)
         self.finisher = StoreFinisher(self.engine, self._finish,
                                       asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST)
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones

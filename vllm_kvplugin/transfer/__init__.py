@@ -60,11 +60,12 @@ class TransferEngine(Protocol):
              bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...
 
 
-def engine_for(device: torch.device) -> TransferEngine:
+def engine_for(device: torch.device, staging_bytes: int | None = None) -> TransferEngine:
+    """The engine for a KV cache on ``device``; ``staging_bytes``: CUDA staging cap (None: auto)."""
     if device.type == "cuda":
         from vllm_kvplugin.transfer.cuda import CudaTransfer
 
-        return CudaTransfer(device)
+        return CudaTransfer(device, staging_cap_bytes=staging_bytes)
     from vllm_kvplugin.transfer.cpu import CpuTransfer
 
     return CpuTransfer()

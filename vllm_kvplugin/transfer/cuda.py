@@ -44,7 +44,13 @@ Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
 
 Staging buffers are allocated outside vLLM's memory profile: a staged call
 needs one device buffer of its own size (``max_staging_buffers`` of them at
-most, ``staging_cap_bytes`` beyond the first).
+most, ``staging_cap_bytes`` beyond the first).  By default the cap follows the
+device: a quarter of its memory, and never more than the staging already held
+plus what the device has free beyond a reserve (:data:`STAGING_RESERVE_BYTES`),
+read when a buffer would grow.  So a long hit (64k tokens of an 8B model: 9.7
+GB) is prefetched whole while it is verified, where the memory is there, and a
+tighter device prefetches less (the load copies the rest itself).  A staging
+allocation that fails anyway is no prefetch (the load copies), never an error.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ LOAD_ZERO_COPY_MAX_BYTES = 32 << 20
 ZERO_COPY_MAX_CTAS = 64
 #: pipelining: at most this many gather/scatter launches per call
 MAX_GROUPS = 8
+#: the automatic staging cap leaves at least this much of the device free
+STAGING_RESERVE_BYTES = 2 << 30
 
 
 @dataclass
@@ -143,7 +151,7 @@ class CudaTransfer:
                  load_zero_copy_max_bytes: int = LOAD_ZERO_COPY_MAX_BYTES,
                  zero_copy_max_ctas: int = ZERO_COPY_MAX_CTAS,
                  max_staging_buffers: int = 4,
-                 staging_cap_bytes: int = 4 << 30):
+                 staging_cap_bytes: int | None = None):
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -162,7 +170,7 @@ class CudaTransfer:
                            "transfer path uses the pure-torch ops (correct, slower)", info.describe())
         self.zc_max_ctas = zero_copy_max_ctas
         self.max_staging_buffers = max(1, max_staging_buffers)
-        self.staging_cap_bytes = staging_cap_bytes
+        self._fixed_cap = staging_cap_bytes  # None: follows the device (see the module doc)
         with torch.cuda.device(device):
             self._kern = torch.cuda.Stream(device)  # gather / scatter kernels
             self._d2h = torch.cuda.Stream(device)  # staging -> host DMAs
@@ -204,6 +212,15 @@ class CudaTransfer:
                     f"vllm-kvplugin transfer: slot {lo if lo < -1 else hi} is outside the cache "
                     f"({layout.num_blocks} blocks of {layout.block_size} tokens)")
         return slots
+
+    @property
+    def staging_cap_bytes(self) -> int:
+        """The most device memory staging buffers may hold together (beyond the first one)."""
+        if self._fixed_cap is not None:
+            return self._fixed_cap
+        free, total = torch.cuda.mem_get_info(self.device)
+        held = sum(e.tensor.numel() for e in self._pool)
+        return max(0, min(total // 4, held + free - STAGING_RESERVE_BYTES))
 
     def _acquire(self, nbytes: int, hold: bool = False) -> _Staging:
         """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``.  ``hold``:
@@ -438,7 +455,11 @@ class CudaTransfer:
         bufs = bufs[:fits]  # the leading objects that fit; a load copies the rest itself
         nbytes = sum(b.nbytes for b in bufs)
         with torch.cuda.device(self.device):
-            staging = self._acquire(nbytes, hold=True)
+            try:
+                staging = self._acquire(nbytes, hold=True)
+            except torch.OutOfMemoryError:
+                logger.warning("vllm-kvplugin: no device memory for a %d-byte prefetch; the load copies", nbytes)
+                return None
             if staging.busy is not None:
                 self._h2d.wait_event(staging.busy)
             T = bufs[0].shape[3]
