@@ -47,6 +47,7 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
     # the first hit after start-up, measured apart (its first-use costs), before the measured ones
     first = tokens(lengths[0], 7 * 10**6)
     once(first)
+    time.sleep(settle_s)  # as before the measured ones: the first-use costs alone
     if timers:
         timers.reset()
     first_hit_s, _ = once(first)
