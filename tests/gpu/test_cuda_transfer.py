@@ -380,3 +380,20 @@ def test_a_prefetch_without_device_memory_leaves_the_load_to_copy(monkeypatch):
     assert eng.prefetch(layout, bufs) is None
     monkeypatch.undo()
     assert _load_prefetched(eng, layout, layers, slots, bufs) == len(bufs)
+
+
+def test_staged_load_of_rows_out_of_order_across_pieces():
+    """Rows of a prefetch copied in pieces, scattered in another order and with a gap: each
+    run waits for its own piece; the cache holds the reference's bytes."""
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    case, layout, layers, slots, bufs = _prefetch_case(eng, C=10, seed=30)
+    pre = eng.prefetch(layout, bufs)
+    assert pre is not None and pre.rows == 10 and len(pre.pieces) > 2
+    rows = [6, 7, 8, 9, 0, 1, 3]  # row 2 (and its slots) left out
+    want = [r.clone() for r in layers]
+    reference_scatter(layout, _ref_views(want, layout.dtype), slots[rows].cuda(),
+                      _ref_chunk(torch.cat([bufs[r] for r in rows]).cuda()))
+    eng.load(layout, layers, slots[rows], [bufs[r] for r in rows], staged=(pre, rows))
+    eng.release(pre)
+    torch.cuda.synchronize()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))

@@ -19,6 +19,7 @@ doubtful KV; an object that fails verification is dropped from its tier at once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections.abc import Sequence
@@ -210,30 +211,31 @@ class WorkerSide:
         jobs = req.jobs
         errors: list[ChunkError | TierTrouble | None] = [None] * len(jobs)
         views: list[tuple[bytes, torch.Tensor] | None] = [None] * len(jobs)
+        # errors are kept without their tracebacks: a traceback holds this frame, whose views
+        # would keep an old server pool mapped until the garbage collector ran
         try:
             self._resolve_remote(jobs, views)
         except TierTrouble as e:
-            errors = [e if j.lease else None for j in jobs]
-        checked: dict[int, tuple[int, memoryview, torch.Tensor]] = {}
-        for n, job in enumerate(jobs):
+            errors = [e.with_traceback(None) if j.lease else None for j in jobs]
+        found: dict[int, tuple[bytes, memoryview, torch.Tensor]] = {}
+        for n, job in enumerate(jobs):  # the objects' bytes, where their sizes are right
             if errors[n] is not None:
                 continue
             try:
-                if job.lease:
-                    header, payload = views[n]
-                else:
-                    if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
-                        raise ChunkError("missing", f"slot {job.slot} outside the pool")
-                    header, payload = self.pool.header(job.group, job.slot), self.pool.payload(job.group, job.slot)
-                    if header is None:
-                        raise ChunkError("missing", f"slot {job.slot} holds no object")
-                expect = self._expect(job.group, job.key, job.position)
-                data = _bytes_of(payload)
-                checksum = check_chunk(header, data, expect, verify_checksum=False).checksum
-                checked[n] = (checksum, data, payload.view(self._dtype(job.group)).view(1, *expect.shape))
+                found[n] = self._object(job, views[n])
             except ChunkError as e:
-                errors[n] = e
-        prefetched = self._prefetch(req, checked)  # the link moves them while the host hashes
+                errors[n] = e.with_traceback(None)
+        # the link moves them while the host checks headers and hashes (unverified bytes go
+        # into staging only; a load scatters verified objects alone)
+        prefetched = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
+        checked: dict[int, tuple[int, memoryview, torch.Tensor]] = {}
+        for n, (header, data, tensor) in found.items():
+            job = jobs[n]
+            try:
+                expect = self._expect(job.group, job.key, job.position)
+                checked[n] = (check_chunk(header, data, expect, verify_checksum=False).checksum, data, tensor)
+            except ChunkError as e:
+                errors[n] = e.with_traceback(None)
         if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte is used
             order = list(checked)
             for n, got in zip(order, payload_checksums([checked[n][1] for n in order])):
@@ -246,14 +248,32 @@ class WorkerSide:
         if good < len(jobs):
             self._failed_fetch(req, errors)
 
-    def _prefetch(self, req: FetchRequest, checked) -> dict[int, tuple[Any, dict[int, int]]]:
-        """Per attention-like group, the objects whose headers passed, sent toward the device
-        (a CUDA cache) while their payloads are hashed: (prefetch, position -> row)."""
+    def _object(self, job, view) -> tuple[bytes, memoryview, torch.Tensor]:
+        """An object's header bytes, payload bytes and payload tensor (``[1, *shape]``), from
+        the local pool or from its server lease view; a payload of the wrong size is an error."""
+        if job.lease:
+            header, payload = view
+        else:
+            if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
+                raise ChunkError("missing", f"slot {job.slot} outside the pool")
+            header, payload = self.pool.header(job.group, job.slot), self.pool.payload(job.group, job.slot)
+            if header is None:
+                raise ChunkError("missing", f"slot {job.slot} holds no object")
+        shape, dtype = self._shape(job.group), self._dtype(job.group)
+        data = _bytes_of(payload)
+        want = math.prod(shape) * dtype.itemsize
+        if data.nbytes != want:
+            raise ChunkError("short_read", f"payload has {data.nbytes} of {want} bytes")
+        return header, data, payload.view(dtype).view(1, *shape)
+
+    def _prefetch(self, req: FetchRequest, found: dict[int, torch.Tensor]) -> dict[int, tuple[Any, dict[int, int]]]:
+        """Per attention-like group, the objects found, sent toward the device (a CUDA cache)
+        while their headers and payloads are checked: (prefetch, position -> row)."""
         out = {}
         for g, spec in enumerate(self.groups):
             if spec.kind is GroupKind.RECURRENT:
                 continue
-            mine = [(req.jobs[n].position, t) for n, (_, _, t) in checked.items() if req.jobs[n].group == g]
+            mine = [(req.jobs[n].position, t) for n, t in found.items() if req.jobs[n].group == g]
             pre = self.engine.prefetch(self.layouts[g], [t for _, t in mine]) if mine else None
             if pre is not None:
                 out[g] = (pre, {pos: row for row, (pos, _) in enumerate(mine[:pre.rows])})

@@ -74,6 +74,8 @@ LOAD_ZERO_COPY_MAX_BYTES = 32 << 20
 ZERO_COPY_MAX_CTAS = 64
 #: pipelining: at most this many gather/scatter launches per call
 MAX_GROUPS = 8
+#: a prefetch is copied in this many equal pieces (a scatter waits only for its rows' piece)
+PREFETCH_PIECES = 8
 #: the automatic staging cap leaves at least this much of the device free
 STAGING_RESERVE_BYTES = 2 << 30
 
@@ -88,16 +90,24 @@ class _Staging:
 
 class Prefetch:
     """Host chunks already on their way to (or in) a device staging buffer: a later ``load``
-    scatters rows of it without touching the link.  Holds the staging buffer until released."""
+    scatters rows of it without touching the link.  Holds the staging buffer until released.
+    The copy goes in pieces (``pieces``: (first row, end row, event when they are in)), so a
+    scatter of early rows need not wait for the last ones."""
 
-    __slots__ = ("staging", "stage", "event", "nbytes", "rows")
+    __slots__ = ("staging", "stage", "event", "nbytes", "rows", "pieces")
 
-    def __init__(self, staging: _Staging, stage: torch.Tensor, event: torch.cuda.Event, nbytes: int):
+    def __init__(self, staging: _Staging, stage: torch.Tensor, pieces: list[tuple[int, int, torch.cuda.Event]],
+                 nbytes: int):
         self.staging = staging
         self.stage = stage
-        self.event = event
+        self.pieces = pieces
+        self.event = pieces[-1][2]  # all of it
         self.nbytes = nbytes
         self.rows = stage.shape[0]  # the leading objects it holds
+
+    def event_for(self, row: int) -> torch.cuda.Event:
+        """The event after which ``row`` is on the device."""
+        return next(ev for a, b, ev in self.pieces if a <= row < b)
 
 
 class StoreTicket:
@@ -309,22 +319,23 @@ class CudaTransfer:
 
     def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor, pre: Prefetch,
                      rows: Sequence[int]) -> None:
-        """Scatter prefetched rows into the paged cache: the compute stream waits for it."""
+        """Scatter prefetched rows into the paged cache, each run of consecutive rows after its
+        piece of the copy: the compute stream waits for all of it."""
         with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
             self._kern.wait_event(self._event(compute))
             for ev in self._pending_gathers:  # a pending store may still read a reused block
                 self._kern.wait_event(ev)
-            self._kern.wait_event(pre.event)
-            srcs, i = [], 0
-            while i < len(rows):  # runs of consecutive rows: one tensor each
-                j = i + 1
-                while j < len(rows) and rows[j] == rows[j - 1] + 1:
-                    j += 1
-                srcs.append(pre.stage[rows[i]:rows[i] + (j - i)])
-                i = j
             with torch.cuda.stream(self._kern):
-                self._scatter(layout, layers, slots, srcs, 0)
+                i = 0
+                while i < len(rows):  # runs of consecutive rows within one piece: one launch each
+                    piece = pre.event_for(rows[i])
+                    j = i + 1
+                    while j < len(rows) and rows[j] == rows[j - 1] + 1 and pre.event_for(rows[j]) is piece:
+                        j += 1
+                    self._kern.wait_event(piece)
+                    self._scatter(layout, layers, slots[i:j], [pre.stage[rows[i]:rows[i] + (j - i)]], 0)
+                    i = j
                 done = self._event(self._kern)
             pre.staging.busy = done
             compute.wait_event(done)
@@ -464,12 +475,17 @@ class CudaTransfer:
                 self._h2d.wait_event(staging.busy)
             T = bufs[0].shape[3]
             stage = staging.tensor[:nbytes].view(layout.dtype).view(len(bufs), *layout.chunk_shape(T))
+            step = -(-len(bufs) // PREFETCH_PIECES)
+            pieces = []
             with torch.cuda.stream(self._h2d):
-                self._from_host(bufs, stage)
-                done = self._event(self._h2d)
+                for a in range(0, len(bufs), step):
+                    b = min(len(bufs), a + step)
+                    self._from_host(bufs[a:b], stage[a:b])
+                    pieces.append((a, b, self._event(self._h2d)))
+            done = pieces[-1][2]
             self._note_host_reads(bufs, done)
             staging.busy = done
-        return Prefetch(staging, stage, done, nbytes)
+        return Prefetch(staging, stage, pieces, nbytes)
 
     def release(self, pre: Prefetch | None) -> None:
         if pre is not None:
