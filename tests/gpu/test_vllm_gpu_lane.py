@@ -15,6 +15,8 @@ and with tensor parallelism over two GPUs where the machine has them.  Run by
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,6 +157,8 @@ def test_verify_command_on_gpu(model, tmp_path):
     finally:
         reset_vllm_globals()
     rep = json.loads(report.read_text())
+    if os.environ.get("OUT"):  # the device tool brings $OUT back: the rows of a passing run too
+        shutil.copy(report, os.path.join(os.environ["OUT"], "gpu-verify.json"))
     print("GPU LANE verify:", json.dumps([{k: r[k] for k in ("length", "hit", "verdict", "cold_ttft_s",
                                                               "warm_ttft_s")} for r in rep["rows"]]))
     assert status == 0 and rep["passed"], rep["rows"]
