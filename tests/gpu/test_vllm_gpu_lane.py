@@ -93,6 +93,17 @@ def test_repeat_after_the_engine_went_idle_hits(model):
         shutdown(llm)
 
 
+def test_gdn_hybrid_on_gpu():
+    """The CPU lane's hybrid method on the GPU (vLLM 0.26): a tiny GatedDeltaNet + attention
+    model, prefix caching on and reset before each warm run, every KV block and state poisoned,
+    lengths k*C, +1, +4 up to 32 chunks: warm = cold = no connector, hit = the planner's, and
+    the output changes when nothing, or only the states, are not restored."""
+    from test_hybrid import CASES, test_hybrid_hit_is_identical_to_recompute
+
+    case = next(p.values[0] for p in CASES if p.values[0].arch == "qwen3next")
+    test_hybrid_hit_is_identical_to_recompute(case)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):

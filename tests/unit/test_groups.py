@@ -85,15 +85,29 @@ def test_recurrent_groups_vllm_cannot_checkpoint_are_refused(spec, why):
     assert why in g.unsupported()
 
 
-def test_recurrent_groups_are_refused_before_vllm_029():
-    """vLLM 0.26-0.28 register state pages as [conv, ssm] lists and hand a connector a local
-    hit the recurrent state may not have: the scheduler refuses at start-up, naming it."""
+def test_v026_state_views_are_the_lists_vllm_registers():
+    """vLLM 0.26 registers a recurrent layer as [conv, ssm] views striding over one page per
+    block (written out here as GPUModelRunner._reshape_kv_cache_tensors builds them): the adapter
+    takes them as they are, and over the same page memory they are the views vLLM 0.29+ binds.
+    vLLM 0.28 registers the int8 pages themselves: the same views again."""
     from vllm_kvplugin.adapters import v0_26, v0_29
 
-    assert not v0_26.SUPPORTS_RECURRENT and v0_29.SUPPORTS_RECURRENT
-    g, = specs(Group(MambaSpec()))
-    with pytest.raises(LayoutError, match="supported from vLLM 0.29 on"):
-        v0_26.describe_state(None, None, g, {}, "0.26.0")
+    g, = specs(Group(MambaSpec(shapes=((3, 8), (2, 4, 4)))))
+    page, blocks = 3 * 8 * 2 + 2 * 4 * 4 * 4 + 64, 5  # bf16 conv, fp32 ssm, padded page
+    raw = torch.randint(-128, 127, (blocks * page,), dtype=torch.int8)
+    conv = torch.as_strided(raw.view(torch.bfloat16), (blocks, 3, 8), (page // 2, 8, 1), 0)
+    ssm = torch.as_strided(raw.view(torch.float32), (blocks, 2, 4, 4), (page // 4, 16, 4, 1), 48 // 4)
+    got = v0_26.state_views([conv, ssm], g)
+    assert got[0] is conv and got[1] is ssm
+    bound = v0_29.state_views(raw.view(blocks, 1, 1, page), g)
+    for a, b in zip(got, bound):
+        assert a.shape == b.shape and all(torch.equal(a[i].view(torch.uint8), b[i].view(torch.uint8))
+                                          for i in range(blocks))
+    paged = v0_26.state_views(raw.view(blocks, 1, 1, page), g)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(paged, bound))
+    for bad in ([conv], [ssm, conv], [conv.float(), ssm], raw.view(blocks, page)):
+        with pytest.raises(LayoutError, match="expected per-state views"):
+            v0_26.state_views(bad, g)
 
 
 def test_v029_state_views_are_the_pages_as_vllm_binds_them():

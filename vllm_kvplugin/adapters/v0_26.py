@@ -6,6 +6,10 @@
   ("NHD" or "HND"; CPU_ATTN forces "HND") except where a backend fixes its own
   order (FlexAttention: always NHD).
 * MLA views are ``(B*r, N, D_latent)``; ROCM_ATTN keeps ``(2, B, N, H, D)``.
+* Recurrent (Mamba/GDN) layers: 0.26 registers a list of per-state views
+  ``[num_blocks, *shape]`` (conv, then ssm) striding over one page per block; 0.28
+  registers the int8 pages ``[B, 1, 1, C]`` as 0.29+ do.  Either way each block's
+  states are packed from the page's first byte (:func:`state_views`).
 * Completion goes through ``get_finished`` (0.26 calls it directly).
 """
 
@@ -13,14 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import ContentSemantics
 from vllm_kvplugin.layout.groups import GroupSpec
-
-#: recurrent (Mamba/GatedDeltaNet) state pages
-SUPPORTS_RECURRENT = False
-ERA = "0.26"
 
 
 def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -46,11 +48,28 @@ def split_semantics(backend: str) -> ContentSemantics | None:
     return ContentSemantics.SPLIT_KV_FIRST if backend == "ROCM_ATTN" else None
 
 
+def state_views(registered: Any, spec: GroupSpec) -> tuple[torch.Tensor, ...]:
+    """A recurrent layer as vLLM 0.26-0.28 register it: one ``[num_blocks, *shape]`` view per
+    state, in the spec's order (0.26's ``GPUModelRunner._reshape_kv_cache_tensors``), or the
+    int8 pages of 0.28 (:func:`~vllm_kvplugin.adapters._common.page_state_views`); anything
+    else is a start-up error naming what was registered."""
+    if isinstance(registered, torch.Tensor) and registered.dim() == 4 and registered.dtype == torch.int8:
+        return _common.page_state_views(registered, spec)
+    views = tuple(registered) if isinstance(registered, (list, tuple)) else ()
+    ok = len(views) == len(spec.state) and all(
+        isinstance(v, torch.Tensor) and v.dtype == t.dtype and tuple(v.shape[1:]) == tuple(t.shape)
+        and v.shape[0] == views[0].shape[0] for v, t in zip(views, spec.state))
+    if not ok:
+        got = [(str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
+               for v in (views or (registered,))]
+        want = [(str(t.dtype), ("blocks", *t.shape)) for t in spec.state]
+        raise LayoutError(f"recurrent KV cache group {spec.index}: expected per-state views {want}, "
+                          f"vLLM registered {got}")
+    return views
+
+
 def describe_state(vllm_config: Any, kv_cache_config: Any, spec: GroupSpec, kv_caches: dict, vllm_version: str):
-    raise LayoutError(
-        f"vllm-kvplugin: {spec.describe()} on vLLM {vllm_version}: recurrent (Mamba/GatedDeltaNet) "
-        "groups are supported from vLLM 0.29 on (0.26-0.28 register their state as [conv, ssm] "
-        "lists and hand a connector a local hit the recurrent state may not have)")
+    return _common.describe_state_group(vllm_config, kv_cache_config, spec, kv_caches, vllm_version, state_views)
 
 
 def describe_groups(vllm_config: Any, kv_cache_config: Any, kv_caches: dict, vllm_version: str):

@@ -16,16 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import ContentSemantics
 from vllm_kvplugin.layout.groups import GroupSpec
-
-#: recurrent (Mamba/GatedDeltaNet) state pages
-SUPPORTS_RECURRENT = True
-ERA = "0.29"
 
 
 def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -51,23 +44,8 @@ def split_semantics(backend: str) -> ContentSemantics | None:
     return None
 
 
-def state_views(tensor: Any, spec: GroupSpec) -> tuple[torch.Tensor, ...]:
-    """A recurrent layer's ``[num_blocks, 1, 1, page_bytes]`` int8 page view as per-state views
-    ``[num_blocks, *shape]``: each block's states are packed from the page's first byte on, in
-    the spec's order (vLLM's ``MambaBase.bind_kv_cache``; the certification compares with the
-    views the layer bound)."""
-    need = sum(t.nbytes for t in spec.state)
-    if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.dtype == torch.int8
-            and tuple(tensor.shape[1:3]) == (1, 1) and tensor.shape[3] >= need):
-        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise LayoutError(f"recurrent KV cache group {spec.index}: expected int8 pages "
-                          f"[blocks, 1, 1, >= {need}], vLLM registered {shape}")
-    pages = tensor.view(tensor.shape[0], tensor.shape[3])
-    views, off = [], 0
-    for t in spec.state:
-        views.append(pages[:, off:off + t.nbytes].view(t.dtype).view(-1, *t.shape))
-        off += t.nbytes
-    return tuple(views)
+#: a recurrent layer's int8 page view as per-state views (shared with 0.28, which registers the same)
+state_views = _common.page_state_views
 
 
 def describe_state(vllm_config: Any, kv_cache_config: Any, spec: GroupSpec, kv_caches: dict, vllm_version: str):

@@ -37,7 +37,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvplugin.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg, adapter)
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg)
         else:
             from vllm_kvplugin.connector.worker import WorkerSide
 

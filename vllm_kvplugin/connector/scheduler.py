@@ -105,12 +105,11 @@ def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_si
 class SchedulerSide:
     """The scheduler half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig, adapter: Any):
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig):
         self.cfg = cfg
         self.groups = _common.group_specs(kv_cache_config, vllm_config)
         for g in self.groups:
-            why = g.unsupported() or (None if g.kind is not GroupKind.RECURRENT or adapter.SUPPORTS_RECURRENT
-                                      else f"recurrent groups need vLLM 0.29+ ({adapter.ERA} adapter)")
+            why = g.unsupported()
             if why:
                 raise LayoutError(f"vllm-kvplugin: {g.describe()}: {why}")
         self.chunk_size = cfg.resolve_chunk_size([g.block_size for g in self.groups])
