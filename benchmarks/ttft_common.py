@@ -43,36 +43,34 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
         o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
         return time.perf_counter() - t0, o
 
+    def timed(p):
+        """``once``, with the stages it went through (None without timers)."""
+        if timers:
+            timers.reset()
+        t, o = once(p)
+        return t, o, timers.collect() if timers else None
+
     once(tokens(300, 0))  # warm-up
     # the first hit after start-up, measured apart (its first-use costs), before the measured ones
     first = tokens(lengths[0], 7 * 10**6)
     once(first)
     time.sleep(settle_s)  # as before the measured ones: the first-use costs alone
-    if timers:
-        timers.reset()
-    first_hit_s, _ = once(first)
-    first_stages = timers.collect() if timers else None
+    first_hit_s, _, first_stages = timed(first)
     rows = []
     for n in lengths:
         if primer:  # other tokens (Random(-n) would seed like Random(n))
             once(tokens(n, 10**6 + n))
         p = tokens(n, n)
-        stages = {}
-        if timers:
-            timers.reset()
-        cold, oc = once(p)
-        if timers:
-            stages["cold_stages"] = timers.collect()
+        cold, oc, cold_stages = timed(p)
         time.sleep(settle_s)
-        if timers:
-            timers.reset()
-        warm, ow = once(p)
-        if timers:
-            stages["warm_stages"] = timers.collect()
+        warm, ow, warm_stages = timed(p)
         warm = statistics.median([warm] + [once(p)[0] for _ in range(2)])  # 3 warm runs: their median
         _, ox = once(p, spx)
-        if timers and n == lengths[0]:
-            stages["first_hit_stages"] = first_stages
+        stages = {}
+        if timers:
+            stages = {"cold_stages": cold_stages, "warm_stages": warm_stages}
+            if n == lengths[0]:
+                stages["first_hit_stages"] = first_stages
         rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
                      "first_hit_warm_s": round(first_hit_s, 4) if n == lengths[0] else None,
                      "warm_cached_tokens": int(ow.num_cached_tokens or 0),

@@ -143,13 +143,17 @@ def compare(cold, warm, tie_margin: float) -> tuple[bool, int | None, float | No
     return False, first, margin, delta, verdict
 
 
+def same_run(a, b) -> bool:
+    """Every token and every logprob alike."""
+    return (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
+
+
 def judge(cold, warm, reference, tie_margin: float) -> tuple[bool, int | None, float | None, float, str]:
     """:func:`compare`'s verdict, where a warm run that differs from the cold one is judged
     against ``reference`` (vLLM's own prefix-cache hit of the same length, or None): equal to
     it in every token and logprob -> "as vLLM's hit"."""
     identical, first, margin, delta, verdict = compare(cold, warm, tie_margin)
-    if not identical and reference is not None and (reference.token_ids, reference.logprobs) == (
-            warm.token_ids, warm.logprobs):
+    if not identical and reference is not None and same_run(reference, warm):
         verdict = "as vLLM's hit"
     return identical, first, margin, delta, verdict
 
@@ -226,7 +230,7 @@ def run(a: argparse.Namespace, rest: list[str]) -> int:
             elif hit != expected:
                 verdict = "SHORT HIT" if verdict != "DIFFERENT" else verdict
                 detail = detail or f"hit {hit} tokens, the planner promises {expected}"
-            as_hit = (ref.token_ids, ref.logprobs) == (warm.token_ids, warm.logprobs) if same else None
+            as_hit = same_run(ref, warm) if same else None
             rows.append(Row(n, expected, hit, proven, identical, verdict, first, margin, delta,
                             round(cold_ttft, 4), round(warm_ttft, 4), as_hit, detail))
         say(f"{_bar(len(lengths), len(lengths))} done")
