@@ -126,6 +126,72 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request):
             shutdown(llm)
 
 
+def test_a_stores_checksum_is_of_its_own_bytes_not_the_shared_pools(qwen3_model, server, monkeypatch):  # noqa: F811
+    """Writer fencing, the bytes: the server's pool is mapped writable by every engine, and a
+    writer that stalled past its reservation may still be copying into room since given to
+    another.  Such a write -- made here for real, through another mapping of the pool -- into
+    the object of chunk BAD of a store lands (1) after the worker computed its bytes and before
+    it hashed them: the checksum is of the worker's own copy, which then overwrites the pool,
+    so the object is right and served in full; (2) after the worker published it, before the
+    commit: the object fails its checksum and is recomputed.  Every output is
+    right, and the next runs, on poisoned KV, hit in full."""
+    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.tiers import mp as mpmod
+    from vllm_kvplugin.tiers.mp_client import MPClient
+
+    q = prompt(8 * CHUNK + 10, seed=33)
+    wants = dict(zip(("before the hash", "before the commit"), _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)))
+    other = MPClient(server.address, client_name="test-stalled-writer")
+    pool = other.pool_view()
+    written = []
+    publish, commit = wmod.WorkerSide._publish, mpmod.ServerStore.commit
+
+    def scribble(ws, remote, tokens):
+        key = chunk_keys(ws.fingerprint, tokens, CHUNK)[BAD]
+        for t in remote:
+            if t.job.key == key:
+                off = t.payload.data_ptr() - ws.server._pool().data_ptr()
+                pool[off + 4321] ^= 0x40
+                written.append(off)
+
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK)
+        try:
+            for (when, want), tokens in zip(wants.items(), (P, q)):
+                failed_before = vllm_kvplugin.stats()["load_failures"].get("checksum", 0)
+                if when == "before the hash":
+                    monkeypatch.setattr(wmod.WorkerSide, "_publish", lambda ws, remote, *src, t=tokens: (
+                        scribble(ws, remote, t) or publish(ws, remote, *src)))
+                else:
+                    monkeypatch.setattr(mpmod.ServerStore, "commit", lambda st, remote, t=tokens: (
+                        scribble(probe.worker, remote, t) or commit(st, remote)))
+                written.clear()
+                assert generate(llm, [tokens])[0].token_ids == want
+                monkeypatch.undo()
+                assert len(written) == 1, (when, written)
+                probe.poison_all_blocks(seed=1)
+                warm = generate(llm, [tokens])[0]
+                assert warm.token_ids == want, when
+                fails = vllm_kvplugin.stats()["load_failures"].get("checksum", 0) - failed_before
+                if when == "before the hash":  # overwritten by the worker's own bytes: a full hit
+                    assert (warm.num_cached_tokens, fails) == (8 * CHUNK, 0)
+                else:  # the changed byte fails the checksum (the load's, or first the server's as it
+                    # writes the object to L2): never served, the prefix before it is the hit
+                    st = other.stats()
+                    assert warm.num_cached_tokens == BAD * CHUNK
+                    assert fails + st["l1_corrupt_objects"] == 1, (fails, st["l1_corrupt_objects"])
+                for i in range(2):  # stored again where it failed: full hits, poisoned KV
+                    probe.poison_all_blocks(seed=10 + i)
+                    r = generate(llm, [tokens])[0]
+                    assert r.token_ids == want and r.num_cached_tokens == 8 * CHUNK, (when, i)
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)
+            other.close()
+
+
 def test_reset_makes_everything_stored_before_unloadable(qwen3_model, server):  # noqa: F811
     """reset_prefix_cache(reset_connector=True): nothing stored before -- in the local tier or
     on the server (and its L2) -- is loaded again; what is stored afterwards is."""

@@ -49,3 +49,26 @@ def test_a_forked_child_makes_its_own_pool():
     os.close(w)
     assert os.read(r, 1) == b"1"
     os.waitpid(pid, 0)
+
+
+def test_hash_then_copy_vouches_for_the_sources(monkeypatch):
+    """The checksums are of the sources (a destination's old bytes enter none); each
+    destination then holds its source's bytes; large inputs on the pool, in order."""
+    me = threading.get_ident()
+    for n, nbytes, on_caller in ((2, 1 << 10, True), (12, 1 << 20, False)):
+        seen = set()
+        monkeypatch.setattr(checksums, "payload_checksum",
+                            lambda p, seen=seen: seen.add(threading.get_ident()) or payload_checksum(p))
+        srcs = _payloads(n, nbytes)
+        dsts = [memoryview(np.full(nbytes, 0x5A, dtype=np.uint8)) for _ in range(n)]
+        want = [payload_checksum(s) for s in srcs]
+        assert checksums.hash_then_copy(srcs, dsts) == want
+        assert all(bytes(d) == bytes(s) for s, d in zip(srcs, dsts))
+        assert (seen == {me}) if on_caller else (me not in seen)
+
+
+def test_hash_then_copy_refuses_other_sizes():
+    import pytest
+
+    with pytest.raises(ValueError, match="destination sizes"):
+        checksums.hash_then_copy(_payloads(2, 16), [memoryview(bytearray(16)), memoryview(bytearray(15))])

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from vllm_kvplugin.chunk.format import payload_checksum
 
 #: below this many bytes in all, one thread (a thread hop costs more than it saves)
@@ -41,3 +43,22 @@ def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
     if len(payloads) < 2 or sum(p.nbytes for p in payloads) < PARALLEL_MIN_BYTES:
         return [payload_checksum(p) for p in payloads]
     return list(_executor().map(payload_checksum, payloads))
+
+
+def _hash_then_copy(pair: tuple[memoryview, memoryview]) -> int:
+    src, dst = pair
+    checksum = payload_checksum(src)
+    np.copyto(np.asarray(dst), np.asarray(src))  # numpy copies without the GIL
+    return checksum
+
+
+def hash_then_copy(srcs: Sequence[memoryview], dsts: Sequence[memoryview]) -> list[int]:
+    """``payload_checksum`` of each source, each then copied into its destination (same size):
+    the checksums vouch for the sources, whatever happens to the destinations meanwhile."""
+    if len(srcs) != len(dsts) or any(s.nbytes != d.nbytes for s, d in zip(srcs, dsts)):
+        raise ValueError(f"hash_then_copy: source sizes {[s.nbytes for s in srcs]} "
+                         f"!= destination sizes {[d.nbytes for d in dsts]}")
+    pairs = list(zip(srcs, dsts))
+    if len(pairs) < 2 or sum(s.nbytes for s in srcs) < PARALLEL_MIN_BYTES:
+        return [_hash_then_copy(p) for p in pairs]
+    return list(_executor().map(_hash_then_copy, pairs))

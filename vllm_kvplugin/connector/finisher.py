@@ -37,14 +37,17 @@ ASYNC_ON_HOST = False
 
 @dataclass
 class PendingStore:
-    """The stores of one step: their copy tickets, local tier jobs, reserved server objects,
-    and the key of every job (each acknowledged once, however it ends)."""
+    """The stores of one step: their copy tickets, local tier jobs, reserved server objects
+    (gathered into ``sources``, slices of the worker's ``private`` buffer), and the key of every
+    job (each acknowledged once, however it ends)."""
 
     tickets: list[Any]
     local: list[Any]
     remote: list[Any]
     keys: list[bytes]
     t0: float = field(default_factory=time.perf_counter)
+    sources: list[Any] = field(default_factory=list)
+    private: Any = None
 
 
 class StoreFinisher:

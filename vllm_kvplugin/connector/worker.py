@@ -29,7 +29,7 @@ import torch
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.chunk.checksums import PARALLEL_MIN_BYTES, payload_checksums
+from vllm_kvplugin.chunk.checksums import PARALLEL_MIN_BYTES, hash_then_copy, payload_checksums
 from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
     ChunkError,
@@ -61,6 +61,7 @@ from vllm_kvplugin.layout.state import (
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore, ServerTarget, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
+from vllm_kvplugin.transfer.host_buffers import HostBuffers, aligned
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._meta = KVPluginWorkerMeta()
         self.finisher: StoreFinisher | None = None  # made at registration (it needs the engine)
+        self._private: HostBuffers | None = None  # where server objects are gathered and hashed
         self._staged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # verified objects per request
         self._prefetched: dict[str, dict[int, tuple[Any, dict[int, int]]]] = {}  # per group, on the device
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
@@ -161,6 +163,7 @@ class WorkerSide:
                               [self._dtype(g) for g in range(len(self.groups))], num_slots, pin_memory=pin)
         if self.cfg.server:
             self.server = ServerStore(self.cfg, self.rank, self.world, f"worker{self.rank}", pin_for_cuda=pin)
+            self._private = HostBuffers(pin=pin)
         global _REGISTERED
         _REGISTERED = weakref.ref(self)
 
@@ -385,6 +388,7 @@ class WorkerSide:
         keys = [j.key for j in jobs]
         local = [j for j in jobs if j.slot >= 0]
         remote = self._reserve([j for j in jobs if j.to_server])
+        sources, private = self._private_sources(remote)
         try:
             tickets = []
             for g, spec in enumerate(self.groups):
@@ -393,9 +397,9 @@ class WorkerSide:
                     if job.group == g:
                         self.pool.set_header(g, job.slot, None)
                         targets.append((job, self.pool.payload(g, job.slot)))
-                for t in remote:
+                for t, src in zip(remote, sources):
                     if t.job.group == g:
-                        targets.append((t.job, t.payload.view(self._dtype(g)).view(1, *self._shape(g))))
+                        targets.append((t.job, src.view(self._dtype(g)).view(1, *self._shape(g))))
                 if not targets:
                     continue
                 if spec.kind is GroupKind.RECURRENT:  # the state at the step's end, read now
@@ -410,8 +414,21 @@ class WorkerSide:
             self.finisher.acknowledge(keys)
             if remote and self.server is not None:
                 self.server.abort([t.oid for t in remote])
-            return
-        self.finisher.submit(PendingStore(tickets, local, remote, keys, t0))
+            return  # (``private`` is not reused: copies issued before the failure may still write it)
+        self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
+
+    def _private_sources(self, remote: list[ServerTarget]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Where each server object is gathered: a slice of one buffer of this process's own
+        (``transfer/host_buffers.py``), hashed there before it is copied into the shared pool."""
+        if not remote:
+            return [], None
+        sizes = [t.payload.numel() for t in remote]
+        buf = self._private.take(sum(aligned(n) for n in sizes))
+        sources, off = [], 0
+        for n in sizes:
+            sources.append(buf[off:off + n])
+            off += aligned(n)
+        return sources, buf
 
     def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
         for j in jobs:
@@ -444,8 +461,12 @@ class WorkerSide:
         """On the finisher (its copies done): checksums and headers of the local objects, then the
         server's objects committed -- only now does any of them become visible.  (On the
         finisher thread: inference mode as on vLLM's thread, whose tensors these views are.)"""
-        with torch.inference_mode():
-            return self._finish_now(entry)
+        try:
+            with torch.inference_mode():
+                return self._finish_now(entry)
+        finally:
+            if entry.private is not None:
+                self._private.give(entry.private)
 
     def _finish_now(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         payloads = [_bytes_of(self.pool.payload(j.group, j.slot)) for j in entry.local]
@@ -453,19 +474,22 @@ class WorkerSide:
         for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads)):
             header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
             self.pool.set_header(job.group, job.slot, header.pack())
-        nbytes += self._publish(entry.remote)
+        nbytes += self._publish(entry.remote, entry.sources)
         tokens = [j.hi - j.lo for j in [*entry.local, *(t.job for t in entry.remote)] if j.group == self._token_group]
         counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes,
                             store_seconds=time.perf_counter() - entry.t0)
         return [(j.group, j.slot) for j in entry.local], []
 
-    def _publish(self, remote) -> int:
-        """Headers into the server's pool, then commit: the objects become visible only now."""
+    def _publish(self, remote: list[ServerTarget], sources: list[torch.Tensor]) -> int:
+        """Each object hashed in this process's own memory (``sources``), then copied into the
+        server's pool, its header written, and all committed: the objects become visible only
+        now, and a checksum vouches for the bytes this worker computed, not for the pool's."""
         if not remote:
             return 0
-        payloads = [_bytes_of(t.payload) for t in remote]
+        payloads = [_bytes_of(s) for s in sources]
         try:
-            for t, payload, checksum in zip(remote, payloads, payload_checksums(payloads)):
+            checksums = hash_then_copy(payloads, [_bytes_of(t.payload) for t in remote])
+            for t, payload, checksum in zip(remote, payloads, checksums):
                 header = ChunkHeader.for_payload(self._expect(t.job.group, t.job.key, t.job.position),
                                                  payload, checksum)
                 _bytes_of(t.header)[:] = header.pack()
