@@ -39,10 +39,6 @@ pytestmark = pytest.mark.engine
 #: the CPU themselves; else the CPU GatedDeltaNet kernel fails on a dtype mismatch)
 RECURRENT_KW = ({} if adapters.parse_version(adapters.vllm_version()) >= (0, 29, 0)
                 else {"mamba_ssm_cache_dtype": "float32"})
-#: tests whose logic does not depend on the vLLM version (server, tiers, scheduler): before 0.29
-#: the main case and the local-hit test cover the adapter, these run on 0.29+ (CI time)
-VERSION_FREE = pytest.mark.skipif(adapters.parse_version(adapters.vllm_version()) < (0, 29, 0),
-                                  reason="version-independent; run on the 0.32 lane (CI time)")
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,7 @@ def test_local_attention_hit_beyond_vllms_own_state_checkpoint():
         shutdown(llm)
 
 
-@VERSION_FREE
+@pytest.mark.newest_lane  # server, tiers, scheduler: the main case and the local-hit test cover 0.26
 def test_hybrid_through_the_server(server):  # noqa: F811
     """A GatedDeltaNet hybrid whose every hit comes from a real cache server: the lookup
     leases exactly the objects the hit needs (one state per recurrent group, the
@@ -202,7 +198,7 @@ def test_hybrid_through_the_server(server):  # noqa: F811
             shutdown(llm)
 
 
-@VERSION_FREE
+@pytest.mark.newest_lane  # server, tiers, scheduler: the main case and the local-hit test cover 0.26
 def test_corrupt_state_object_is_recomputed():
     """A state checkpoint whose bytes changed in the tier: the hit is not claimed (its
     state cannot be verified), the prompt is recomputed right, the object is dropped and
@@ -258,7 +254,7 @@ def test_gdn_hybrid_at_128_chunks():
             shutdown(llm)
 
 
-@VERSION_FREE
+@pytest.mark.newest_lane  # server, tiers, scheduler: the main case and the local-hit test cover 0.26
 def test_state_interval_keeps_every_nth_checkpoint():
     """state_interval=2: checkpoints after chunks 2, 4, ... and at the prompt's last boundary.
     A prompt sharing 3 chunks of a stored one then hits 2 chunks (no checkpoint after 3)."""

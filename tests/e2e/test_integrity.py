@@ -126,6 +126,7 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request):
             shutdown(llm)
 
 
+@pytest.mark.newest_lane
 def test_a_stores_checksum_is_of_its_own_bytes_not_the_shared_pools(qwen3_model, server, monkeypatch):  # noqa: F811
     """Writer fencing, the bytes: the server's pool is mapped writable by every engine, and a
     writer that stalled past its reservation may still be copying into room since given to
@@ -233,7 +234,7 @@ def test_prompt_logprobs_never_read_a_cached_prefix(qwen3_model):
         shutdown(llm)
 
 
-@pytest.mark.parametrize("tier", ["local", "server"])
+@pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=pytest.mark.newest_lane)])
 def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, tier, request):
     """On a GPU stores finish on the worker's finisher thread after their step (their copies
     cross the link while the next steps run). Forced here on the CPU, each store slowed down:

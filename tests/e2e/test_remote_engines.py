@@ -31,7 +31,7 @@ from srvutil import ServerProc, wait_for  # noqa: E402
 
 from vllm_kvplugin.tiers.mp_client import MPClient  # noqa: E402
 
-pytestmark = [pytest.mark.engine, pytest.mark.redis]
+pytestmark = [pytest.mark.engine, pytest.mark.redis, pytest.mark.newest_lane]
 
 CHUNK = 64
 BLOCK = 32

@@ -46,6 +46,7 @@ def test_verify_fails_when_hits_are_not_written(qwen3_model, tmp_path):
     assert all(r["verdict"] in ("DIFFERENT", "NO LOAD") and not r["loads_proven"] for r in rep["rows"]), rep["rows"]
 
 
+@pytest.mark.newest_lane
 def test_verify_through_the_server(qwen3_model, tmp_path, server):  # noqa: F811
     status, rep = _verify(tmp_path, qwen3_model, 64, "128", "--block-size", "32", "--server", server.address,
                           connector={"cpu_bytes": 0})

@@ -21,7 +21,7 @@ from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.protocol import object_id
 from vllm_kvplugin.tiers.mp_client import MPClient
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.newest_lane]
 
 FP = b"\0" * 32  # the fingerprint srvutil's objects carry in their headers
 NBYTES = 64 << 10

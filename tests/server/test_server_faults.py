@@ -22,7 +22,7 @@ from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.server.protocol import object_id
 from vllm_kvplugin.tiers.mp_client import MPClient, ServerError, TierUnavailable
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.newest_lane]
 
 NB = 4096
 

@@ -23,7 +23,7 @@ from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, pack_header, payload_chec
 from vllm_kvplugin.server.protocol import object_id
 from vllm_kvplugin.tiers.mp_client import MPClient, ServerError
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.newest_lane]
 
 NB = 256  # payload bytes per object (the layout does not matter to the server)
 

@@ -23,7 +23,7 @@ from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.tiers.mp_client import MPClient, ServerError
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.newest_lane]
 
 TOKEN = "correct-horse-battery-staple"
 

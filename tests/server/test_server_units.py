@@ -18,7 +18,7 @@ from vllm_kvplugin.server.protocol import (
     split_object_id,
 )
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.newest_lane]
 
 
 def test_server_reads_what_the_plugin_writes():

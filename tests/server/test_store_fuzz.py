@@ -28,7 +28,7 @@ PREFIX = [GroupNeed(Need.PREFIX)]
 #: a hybrid model: attention, a sliding window of two chunks, a recurrent state
 HYBRID = [GroupNeed(Need.PREFIX), GroupNeed(Need.WINDOW, 2), GroupNeed(Need.POINT)]
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.newest_lane]
 
 
 def _live_blocks(st: Store) -> dict[int, int]:
