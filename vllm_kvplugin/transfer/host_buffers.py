@@ -9,7 +9,8 @@ buffer only its own process maps, hashes them there, and only then copies them i
 fails the checksum at the load and is recomputed.
 
 Who calls: the worker takes a buffer when it issues a store (vLLM's thread) and gives it back
-when the store finished (the finisher thread), or at once if issuing failed.  Thread-safe.
+when the store finished (the finisher thread); after a store that failed while being issued it
+is not given back (copies issued before the failure may still write it).  Thread-safe.
 """
 
 from __future__ import annotations
@@ -43,11 +44,9 @@ class HostBuffers:
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes, owned by the caller until :meth:`give`."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
-                return best
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # the smallest that fits (by index: tensors do not compare as list items)
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         size = 1 << max(20, (nbytes - 1).bit_length())
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
@@ -56,7 +55,3 @@ class HostBuffers:
         with self._lock:
             if sum(b.numel() for b in self._free) + buf.numel() <= self.keep_bytes:
                 self._free.append(buf)
-
-    def kept_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() for b in self._free)
