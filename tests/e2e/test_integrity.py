@@ -193,6 +193,44 @@ def test_a_stores_checksum_is_of_its_own_bytes_not_the_shared_pools(qwen3_model,
             other.close()
 
 
+@pytest.mark.newest_lane
+def test_a_store_that_cannot_get_host_memory_stores_nothing(qwen3_model, server, monkeypatch):  # noqa: F811
+    """The worker's own host buffer for a server store cannot be had (as when page-locked memory
+    runs out; mocked: it cannot be caused on purpose here): that step stores nothing, its
+    reservations go back, the engine goes on; the prompt is right, recomputed where the chunk
+    is missing, stored again, and then hits in full on poisoned KV."""
+    from vllm_kvplugin.transfer import host_buffers
+
+    want_p, = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)
+    take, calls = host_buffers.HostBuffers.take, []
+
+    def first_take_fails(hb, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise RuntimeError("cannot allocate page-locked memory (test)")
+        return take(hb, nbytes)
+
+    monkeypatch.setattr(host_buffers.HostBuffers, "take", first_take_fails)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want_p
+            assert len(calls) > 1 and vllm_kvplugin.stats()["server_store_errors"] == 1
+            probe.poison_all_blocks(seed=1)
+            again = generate(llm, [P])[0]  # chunk 0 was never stored: no prefix to hit
+            assert again.token_ids == want_p and again.num_cached_tokens == 0
+            for i in range(2):
+                probe.poison_all_blocks(seed=10 + i)
+                r = generate(llm, [P])[0]
+                assert r.token_ids == want_p and r.num_cached_tokens == 8 * CHUNK
+            assert vllm_kvplugin.stats()["load_failures"] == {}
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)
+
+
 def test_reset_makes_everything_stored_before_unloadable(qwen3_model, server):  # noqa: F811
     """reset_prefix_cache(reset_connector=True): nothing stored before -- in the local tier or
     on the server (and its L2) -- is loaded again; what is stored afterwards is."""

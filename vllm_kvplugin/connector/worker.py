@@ -388,9 +388,9 @@ class WorkerSide:
         keys = [j.key for j in jobs]
         local = [j for j in jobs if j.slot >= 0]
         remote = self._reserve([j for j in jobs if j.to_server])
-        sources, private = self._private_sources(remote)
         try:
             tickets = []
+            sources, private = self._private_sources(remote)  # (host memory: may fail like a copy)
             for g, spec in enumerate(self.groups):
                 targets: list[tuple[StoreJob, torch.Tensor]] = []
                 for job in local:
@@ -413,6 +413,7 @@ class WorkerSide:
             self._fail_local(local)
             self.finisher.acknowledge(keys)
             if remote and self.server is not None:
+                counters.WORKER.add(server_store_errors=1)
                 self.server.abort([t.oid for t in remote])
             return  # (``private`` is not reused: copies issued before the failure may still write it)
         self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
