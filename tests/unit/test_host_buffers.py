@@ -31,3 +31,10 @@ def test_buffers_beyond_the_cap_are_not_kept():
     hb.give(b)  # 3 MiB would be kept in all: over the cap, dropped
     assert hb.take(1 << 20) is a
     assert hb.take(1 << 20) is not b
+
+
+def test_slices_are_aligned_and_cover_their_sizes():
+    hb = HostBuffers(pin=False)
+    slices, buf = hb.take_slices([10, ALIGN, 3])
+    assert [s.numel() for s in slices] == [10, ALIGN, 3]
+    assert [s.data_ptr() - buf.data_ptr() for s in slices] == [0, ALIGN, 2 * ALIGN]

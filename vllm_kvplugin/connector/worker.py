@@ -61,7 +61,7 @@ from vllm_kvplugin.layout.state import (
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore, ServerTarget, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
-from vllm_kvplugin.transfer.host_buffers import HostBuffers, aligned
+from vllm_kvplugin.transfer.host_buffers import HostBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +390,10 @@ class WorkerSide:
         remote = self._reserve([j for j in jobs if j.to_server])
         try:
             tickets = []
-            sources, private = self._private_sources(remote)  # (host memory: may fail like a copy)
+            # server objects are gathered into this process's own memory (transfer/host_buffers.py)
+            sources, private = [], None
+            if remote:
+                sources, private = self._private.take_slices([t.payload.numel() for t in remote])
             for g, spec in enumerate(self.groups):
                 targets: list[tuple[StoreJob, torch.Tensor]] = []
                 for job in local:
@@ -417,19 +420,6 @@ class WorkerSide:
                 self.server.abort([t.oid for t in remote])
             return  # (``private`` is not reused: copies issued before the failure may still write it)
         self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
-
-    def _private_sources(self, remote: list[ServerTarget]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Where each server object is gathered: a slice of one buffer of this process's own
-        (``transfer/host_buffers.py``), hashed there before it is copied into the shared pool."""
-        if not remote:
-            return [], None
-        sizes = [t.payload.numel() for t in remote]
-        buf = self._private.take(sum(aligned(n) for n in sizes))
-        sources, off = [], 0
-        for n in sizes:
-            sources.append(buf[off:off + n])
-            off += aligned(n)
-        return sources, buf
 
     def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
         for j in jobs:

@@ -50,6 +50,15 @@ class HostBuffers:
         size = 1 << max(20, (nbytes - 1).bit_length())
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
+    def take_slices(self, sizes: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One buffer cut into slices of ``sizes`` bytes (each aligned); give back the buffer."""
+        buf = self.take(sum(aligned(n) for n in sizes))
+        slices, off = [], 0
+        for n in sizes:
+            slices.append(buf[off:off + n])
+            off += aligned(n)
+        return slices, buf
+
     def give(self, buf: torch.Tensor) -> None:
         """Back for reuse (no copy into or out of it may still be in flight)."""
         with self._lock:
