@@ -148,7 +148,7 @@ def main() -> int:
             r = next(x for x in res["rows"] if x["prompt_tokens"] == row["prompt_tokens"])
             if r.get("warm_stages"):
                 row[f"{res['mode']}_warm_stages"] = {k: v["s"] if isinstance(v, dict) else v
-                                                     for k, v in r["warm_stages"].items()}
+                                                     for k, v in r["warm_stages"].items() if k != "timeline"}
     doc = {
         "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC if args.model is None else args.model, "kv_bytes_per_token": SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2,

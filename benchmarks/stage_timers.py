@@ -12,10 +12,15 @@
 * ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
   ``scatter`` is the part from the device staging into the paged cache;
 * ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued);
-* ``alloc``     - staging buffers allocated by the transfer engine (host wall time).
+* ``alloc``     - staging buffers allocated by the transfer engine (host wall time);
+* host wall time of the scheduler (``schedule``, ``update``), the connector's scheduler hooks
+  (``match``, ``build_meta``), the model runner's calls (``execute_host``, ``sample_host``) and
+  the worker's (``start_load``, ``load_host``, ``bind``, ``take_meta``); ``sample`` on the device.
 
 ``reset()`` before a request, ``collect()`` after it (synchronizes the device): seconds per
-stage (summed) and the count of each.  Benchmark-only: the plugin itself is unchanged.
+stage (summed), the count of each, and a ``timeline``: every interval as ``[stage, start_ms,
+end_ms]`` from the reset, host and device on one clock (a CUDA event recorded at the reset, the
+device idle, marks the host's time zero).  Benchmark-only: the plugin itself is unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class StageTimers:
         self._host: dict[str, list[float]] = defaultdict(list)
         self._cuda: dict[str, list[tuple[object, object]]] = defaultdict(list)
         self._local = threading.local()
+        self._t0 = time.perf_counter()
+        self._ref = None  # CUDA event at the reset: the device's time zero
+        self._spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
     # ---------------------------------------------------------------- wrappers
     def _wrap_host(self, owner, name: str, stage: str, flag: str | None = None) -> None:
@@ -44,7 +52,9 @@ class StageTimers:
             try:
                 return orig(*a, **k)
             finally:
-                self._host[stage].append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self._host[stage].append(t1 - t0)
+                self._spans[stage].append((t0 - self._t0, t1 - self._t0))
                 if flag:
                     setattr(self._local, flag, False)
         setattr(owner, name, timed)
@@ -67,15 +77,26 @@ class StageTimers:
 
     def install(self) -> StageTimers:
         import torch
+        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         from vllm_kvplugin.connector import worker as wmod
+        from vllm_kvplugin.connector.scheduler import SchedulerSide
         from vllm_kvplugin.transfer.cuda import CudaTransfer
 
         self._wrap_host(EngineCore, "step", "step")
         self._wrap_host(EngineCore, "step_with_batch_queue", "step")
         self._wrap_cuda(GPUModelRunner, "execute_model", "forward", lambda _: torch.cuda.current_stream())
+        self._wrap_cuda(GPUModelRunner, "sample_tokens", "sample", lambda _: torch.cuda.current_stream())
+        for owner, name, stage in ((Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
+                                   (GPUModelRunner, "execute_model", "execute_host"),
+                                   (GPUModelRunner, "sample_tokens", "sample_host"),
+                                   (SchedulerSide, "get_num_new_matched_tokens", "match"),
+                                   (SchedulerSide, "build_connector_meta", "build_meta"),
+                                   (wmod.WorkerSide, "start_load", "start_load"), (wmod.WorkerSide, "_load", "load_host"),
+                                   (wmod.WorkerSide, "bind", "bind"), (wmod.WorkerSide, "take_meta", "take_meta")):
+            self._wrap_host(owner, name, stage)
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
         orig_sums = wmod.payload_checksums
@@ -87,7 +108,9 @@ class StageTimers:
             try:
                 return orig_sums(payloads)
             finally:
-                self._host["verify"].append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self._host["verify"].append(t1 - t0)
+                self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
         wmod.payload_checksums = sums
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")
@@ -97,8 +120,15 @@ class StageTimers:
 
     # ------------------------------------------------------------------ results
     def reset(self) -> None:
+        import torch
+
         self._host.clear()
         self._cuda.clear()
+        self._spans.clear()
+        torch.cuda.synchronize()
+        self._ref = torch.cuda.Event(enable_timing=True)
+        self._ref.record()
+        self._t0 = time.perf_counter()
 
     def collect(self) -> dict:
         """Seconds per stage (summed over the request) and how many of each."""
@@ -112,5 +142,10 @@ class StageTimers:
             out[stage] = {"s": round(sum(a.elapsed_time(b) for a, b in pairs) / 1e3, 5), "n": len(pairs)}
         if "step" in self._host:
             out["steps_s"] = [round(t, 5) for t in self._host["step"]]
+        spans = [(stage, a * 1e3, b * 1e3) for stage, ab in self._spans.items() for a, b in ab]
+        if self._ref is not None:
+            spans += [(stage, self._ref.elapsed_time(a), self._ref.elapsed_time(b))
+                      for stage, pairs in self._cuda.items() for a, b in pairs]
+        out["timeline"] = [[stage, round(a, 2), round(b, 2)] for stage, a, b in sorted(spans, key=lambda x: x[1])]
         self.reset()
         return out

@@ -28,9 +28,11 @@ rm -rf "$STAGE"
 "$PY312" -m pip install -q --no-deps --no-compile --no-index --target "$STAGE" "$WORK"/wheels/*.whl
 V="$STAGE/vllm"
 rm -rf "$STAGE/bin" "$V/vllm-rs" "$V/third_party/deep_gemm" "$V/third_party/fmha_sm100"
-rm -f "$V/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$V/_moe_C_stable_libtorch.abi3.so"  # FA3 serves sm_90; no MoE
-python3 "$HERE/prune_fatbin.py" "$V/_C_stable_libtorch.abi3.so" "$WORK/_C.pruned" 90
-mv "$WORK/_C.pruned" "$V/_C_stable_libtorch.abi3.so"
+rm -f "$V/vllm_flash_attn/_vllm_fa2_C.abi3.so"  # FA3 serves sm_90
+for so in _C _moe_C; do  # sm_90 code only (the MoE ops: the tiny Qwen3-Next of the GDN hybrid test)
+  python3 "$HERE/prune_fatbin.py" "$V/${so}_stable_libtorch.abi3.so" "$WORK/$so.pruned" 90
+  mv "$WORK/$so.pruned" "$V/${so}_stable_libtorch.abi3.so"
+done
 tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=2026-01-01 -C "$STAGE" -cf - . \
     | xz -9 -T2 -c > "$OUT/site.tar.xz"
 (cd "$OUT" && sha256sum site.tar.xz > SHA256)

@@ -203,7 +203,7 @@ class Probe:
                 out.append(t)
                 continue
             layout, layers = ws.layouts[job.group], ws.layers[job.group]
-            slots = ws.object_slots(job)
+            slots = ws.object_slots([job])
             t = torch.zeros((1, *layout.chunk_shape(slots.shape[1])), dtype=layout.dtype)
             reference_gather(layout, layers, slots, t)
             out.append(t[0])
@@ -223,7 +223,7 @@ class Probe:
             if ws.groups[job.group].kind.name == "RECURRENT":
                 same = torch.equal(t, want)
             else:
-                keep = ws.object_slots(job)[0] >= 0  # the tokens the load wrote
+                keep = ws.object_slots([job])[0] >= 0  # the tokens the load wrote
                 same = torch.equal(bits(t[:, :, keep]), bits(want[:, :, keep]))
             if same:
                 self.kv_checked += 1
@@ -245,7 +245,7 @@ class Probe:
                         t[job.block_ids[0]].copy_(torch.randn(t[0].shape, generator=gen).to(t.dtype))
                 continue
             layout, layers = ws.layouts[job.group], ws.layers[job.group]
-            slots = ws.object_slots(job)
+            slots = ws.object_slots([job])
             noise = torch.randn((1, *layout.chunk_shape(slots.shape[1])), generator=gen)
             reference_scatter(layout, layers, slots, noise.to(layout.dtype))
             n += int((slots >= 0).sum()) if job.group == ws._token_group else 0

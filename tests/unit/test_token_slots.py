@@ -1,0 +1,38 @@
+"""token_slots: the paged slots of a load's or a store's objects, in one vectorized pass,
+against a per-token reference written from the contract (block b holds tokens
+[b*B, (b+1)*B) of the cache; tokens outside [skip, take) of an object are -1)."""
+
+import random
+
+import pytest
+
+from vllm_kvplugin.chunk.format import ChunkError
+from vllm_kvplugin.connector.worker import token_slots
+
+
+def reference(block_rows, block_size, tokens, skips, takes):
+    out = []
+    for blocks, skip, take in zip(block_rows, skips, takes):
+        out.append([blocks[t // block_size] * block_size + t % block_size if skip <= t < take else -1
+                    for t in range(tokens)])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_the_per_token_reference(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 16, 32, 128])
+    per = rng.choice([1, 2, 4, 16])
+    tokens = block_size * per
+    rows = rng.randint(1, 12)
+    block_rows = [[rng.randrange(0, 4096) for _ in range(per)] for _ in range(rows)]
+    skips = [rng.randint(0, tokens) for _ in range(rows)]
+    takes = [rng.randint(s, tokens) for s in skips]
+    got = token_slots(block_rows, block_size, tokens, skips, takes)
+    assert got.shape == (rows, tokens)
+    assert got.tolist() == reference(block_rows, block_size, tokens, skips, takes)
+
+
+def test_a_row_with_the_wrong_number_of_blocks_is_a_plan_error():
+    with pytest.raises(ChunkError, match="3 blocks of 16 for an object of 32 tokens"):
+        token_slots([[1, 2], [3, 4, 5]], 16, 32, [0, 0], [32, 32])
