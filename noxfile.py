@@ -315,11 +315,12 @@ def _make_cpu_session(entry: dict):
         other = _other_cpu_lane_python(session)
         if other:  # the two-engine server test then runs its second engine on another vLLM version
             env["KVPLUGIN_OTHER_VLLM_PYTHON"] = other
+        markers = [] if "-m" in session.posargs else ["-m", entry.get("markers", "not gpu")]
         with _step(session, "pytest"):
-            session.run("pytest", *_pytest_args(session, ["tests"]), "-m", entry.get("markers", "not gpu"),
+            session.run("pytest", *_pytest_args(session, ["tests"]), *markers,
                         "-n", os.environ.get("KVPLUGIN_TEST_WORKERS", str(min(2, os.cpu_count() or 1))),
                         "--dist", "worksteal",
-                        "--durations=10", env=env)
+                        "--durations=25", env=env)
 
     cpu.__doc__ = (f"vLLM {entry['version']} ({entry['wheel']}, torch {entry['torch']}, "
                    f"{entry['torch_install']}): real engines on the CPU, pytest -m 'not gpu'")

@@ -23,7 +23,8 @@ from test_server_tier import server, workdir  # noqa: F401  (fixtures)
 from vllm_kvplugin import tiny_model
 from vllm_kvplugin.planner import max_loadable_tokens
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+#: CI runs the fault test alone (it checks every rank's loads and outputs too); the rest is slow
+pytestmark = [pytest.mark.engine]
 
 CHUNK, BLOCK = 64, 32
 LENGTHS = [40, 4 * CHUNK, 4 * CHUNK + 1, 20 * CHUNK + 5]
@@ -73,12 +74,14 @@ def _check(res: dict) -> list:
     return problems
 
 
+@pytest.mark.slow
 def test_tp2_local_tier(qwen3_model):
     res = _run_tp(qwen3_model)
     assert not _check(res), _check(res)
     assert res["scheduler"]["hit_tokens"] == sum(max_loadable_tokens(n, CHUNK) for n in LENGTHS)
 
 
+@pytest.mark.slow
 def test_tp2_through_the_server(qwen3_model, server):  # noqa: F811
     res = _run_tp(qwen3_model, server.address)
     assert not _check(res), _check(res)
@@ -87,6 +90,7 @@ def test_tp2_through_the_server(qwen3_model, server):  # noqa: F811
     assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
 
 
+@pytest.mark.newest_lane
 def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
     """Rank 1's object of chunk 3 is corrupt (rank 0's is fine): both ranks claim only the
     prefix both verified, and the bad object is dropped once.  Then rank 1's store fails
@@ -112,6 +116,7 @@ def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
     assert by_tag["after-store-fault-2"][0]["cached"] == max_loadable_tokens(q + 2 * CHUNK + 5, CHUNK)
 
 
+@pytest.mark.slow
 def test_verify_with_tp2(qwen3_model, tmp_path):
     """``vllm-kvplugin verify --tp 2`` (its own process: TP workers are spawned): both ranks
     poisoned and their loads proven through ``collective_rpc``."""
