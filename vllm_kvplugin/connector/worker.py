@@ -76,8 +76,8 @@ def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: in
     """``[C, T]`` paged slots of ``C`` objects of ``T`` tokens each, object ``c`` in the blocks
     ``block_rows[c]``; its tokens outside ``[skips[c], takes[c])`` are -1.  (One vectorized
     pass: a load of a 64k-token hit builds 256 rows here, on the step's critical path.)"""
-    if any(len(b) * block_size != tokens for b in block_rows):
-        bad = next(b for b in block_rows if len(b) * block_size != tokens)
+    bad = next((b for b in block_rows if len(b) * block_size != tokens), None)
+    if bad is not None:
         raise ChunkError("plan", f"{len(bad)} blocks of {block_size} for an object of {tokens} tokens")
     blocks = torch.tensor(block_rows, dtype=torch.int64).view(len(block_rows), tokens // block_size)
     t = torch.arange(tokens, dtype=torch.int64)
