@@ -105,8 +105,9 @@ def test_gdn_hybrid_on_gpu(monkeypatch):
 
     monkeypatch.setattr(test_hybrid, "RECURRENT_KW", {**test_hybrid.RECURRENT_KW, "gdn_prefill_backend": "triton"})
     case = next(p.values[0] for p in CASES if p.values[0].arch == "qwen3next")
-    # on the H200 vLLM 0.26 gives this model's groups 272-token blocks (the CPU: 384), so the
-    # plugin's default chunk is 272 (seen 2026-12-02); a step ends on every chunk boundary
+    # on the H200 the plugin's default chunk for this model is 272 tokens (the smallest multiple
+    # >= 256 of the block sizes vLLM 0.26 picks there; 384 on the CPU: seen 2026-12-02); a step
+    # ends on every chunk boundary, where vLLM keeps the recurrent state
     case = dataclasses.replace(case, chunk=272, budget=272)
     test_hybrid_hit_is_identical_to_recompute(case)
 
