@@ -70,9 +70,13 @@ FIELDS: tuple[FieldDoc, ...] = (
              "Recurrent (Mamba/GatedDeltaNet) groups: keep a state checkpoint at every n-th chunk "
              "boundary where vLLM materialised one, and always at the last one before a prompt's "
              "last token. A checkpoint can cost more than a chunk of attention KV."),
-    FieldDoc("load_failure_policy", (str,), "recompute",
-             "What vLLM does with tokens whose load failed: `recompute` (default) or `fail` "
-             "(vLLM's `kv_load_failure_policy`)."),
+    FieldDoc("load_failure_policy", (str,), "fail",
+             "What vLLM does with a request whose load failed after its hit was claimed (a failed "
+             "copy; doubtful KV is found before the claim and only shortens the hit): `fail` "
+             "(default, vLLM's own: the request ends with an error and vLLM drops the blocks from "
+             "its prefix cache) or `recompute` (vLLM recomputes it but keeps the blocks the load "
+             "never wrote in its prefix cache meanwhile, where a request sharing the prefix can "
+             "read them: not recommended). vLLM's `kv_load_failure_policy`."),
 )
 _BY_KEY = {f.key: f for f in FIELDS}
 
@@ -97,7 +101,7 @@ class KVPluginConfig:
     certify: bool = True
     model_id: str | None = None
     state_interval: int = 1
-    load_failure_policy: str = "recompute"
+    load_failure_policy: str = "fail"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVPluginConfig:

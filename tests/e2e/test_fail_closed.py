@@ -10,7 +10,9 @@ computed over blocks the load may not have written).  Faults are caused for real
 where they can be (bytes flipped in the pool, headers swapped, chunks gone); a
 mock only where the local tier cannot produce the fault itself (a short read, a
 failing copy, a wrong plan).  The first four are found while verifying, before
-the hit is claimed; the last two after it (the copy itself fails).
+the hit is claimed, and recomputed; the last two after it (the copy itself
+fails): vLLM ends that request with an error (its "fail" policy, the plugin's
+default) and serves the blocks the load never wrote to no other request.
 """
 
 from __future__ import annotations
@@ -135,10 +137,12 @@ def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monke
                     after = vllm_kvplugin.stats()
                 failures = after["load_failures"]
                 assert failures.get(reason, 0) == before["load_failures"].get(reason, 0) + 1, (reason, failures)
-                assert warm.token_ids == want_p2, f"{reason}: served doubtful KV"
-                if reason in CLAIMED:  # the step's stores were computed over the failed load
+                if reason in CLAIMED:  # vLLM ends the request (its "fail" policy, the default) and
+                    # the step's stores, computed over the failed load, are dropped
+                    assert warm.token_ids == [], f"{reason}: a request whose claimed load failed was served"
                     assert after["stores_cancelled"] > before["stores_cancelled"], reason
-                else:  # found before the claim: only the verified prefix counts as a hit
+                else:  # found before the claim: recomputed, only the verified prefix counts as a hit
+                    assert warm.token_ids == want_p2, f"{reason}: served doubtful KV"
                     assert after["hit_tokens"] - before["hit_tokens"] == warm.num_cached_tokens < 8 * CHUNK
                 for i in range(3):  # nothing wrong was stored: poisoned KV, hits, right outputs
                     for q, want_q in ((p2, want_p2), (p, want_p)):
@@ -153,5 +157,70 @@ def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monke
             probe.poison_all_blocks()
             again = generate(llm, [after_prompt])[0]
             assert again.token_ids == after_want and again.num_cached_tokens == 8 * CHUNK
+        finally:
+            shutdown(llm)
+
+
+def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
+    """A copy fails after the hit was claimed (mocked: the copy cannot be made to fail for
+    real), with vLLM's prefix cache on, every block poisoned before, and a scheduler that lets
+    a second request in while the first has not yet recomputed its prompt (at most one chunk
+    of a long prefill per step).  The second request shares the prefix.  With vLLM's
+    "recompute" policy (the plugin's default before 2026-12-02) vLLM kept the blocks the
+    load never wrote in its prefix cache and served them to the second request: wrong output
+    on vLLM 0.32.  With the default "fail" the first request ends with an error, the second
+    is right, and so are both prompts afterwards on poisoned KV."""
+    from harness import Probe, engine, generate, prompt, shutdown
+    from vllm import SamplingParams
+
+    p = prompt(LEN, seed=300)
+    first, second = p + prompt(2 * CHUNK + 5, seed=301), p + prompt(2 * CHUNK + 7, seed=302)
+    base = engine(qwen3_model, 32, None, budget=CHUNK)
+    try:
+        want = [generate(base, [q])[0].token_ids for q in (first, second)]
+    finally:
+        shutdown(base)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK}, budget=4 * CHUNK, enable_prefix_caching=True,
+                     long_prefill_token_threshold=CHUNK)
+        try:
+            generate(llm, [p])
+            llm.reset_prefix_cache()  # the first request's hit comes from the plugin
+            probe.poison_all_blocks(seed=5)
+            copies = probe.worker.engine.load
+            failed = []
+
+            def boom(*a, **k):
+                failed.append(1)
+                raise RuntimeError("injected copy failure")
+
+            probe.worker.engine.load = boom
+            eng = llm.llm_engine
+            eng.add_request("first", {"prompt_token_ids": first}, sp)
+            for _ in range(50):  # until its claimed load has failed
+                eng.step()
+                if failed:
+                    break
+            probe.worker.engine.load = copies
+            assert failed, "the first request's load never ran"
+            eng.add_request("second", {"prompt_token_ids": second}, sp)
+            got = {}
+            for _ in range(500):
+                if not eng.has_unfinished_requests():
+                    break
+                for o in eng.step():
+                    if o.finished:
+                        got[o.request_id] = list(o.outputs[0].token_ids)
+            assert not eng.has_unfinished_requests()
+            assert got.get("second") == want[1], "a request was served blocks a failed load never wrote"
+            assert not got.get("first"), "the request whose claimed load failed was served"
+            assert vllm_kvplugin.stats()["load_failures"] == {"error": 1}
+            for i in range(2):  # nothing computed over the failed load was stored or kept
+                for q, want_q in zip((first, second), want):
+                    llm.reset_prefix_cache()
+                    probe.poison_all_blocks(seed=10 + i)
+                    assert generate(llm, [q])[0].token_ids == want_q
         finally:
             shutdown(llm)

@@ -10,7 +10,7 @@ from vllm_kvplugin.config import FIELDS, ConfigError, KVPluginConfig, config_tab
 def test_defaults():
     cfg = KVPluginConfig.from_extra_config(None)
     assert cfg.chunk_size is None and cfg.cpu_bytes == 4 << 30 and cfg.server is None
-    assert cfg.load_failure_policy == "recompute"
+    assert cfg.load_failure_policy == "fail"  # vLLM's own default: see test_fail_closed
 
 
 def test_values():

@@ -10,9 +10,10 @@ is holding back, checks header, size and checksum, and keeps views of the
 verified bytes (they stay put: pinned in the local tier, leased on the server;
 a restarted server's old pool stays mapped); then it *loads* claimed hits from
 those verified views only.  A load can thus only fail on a copy error: its
-blocks are then reported to vLLM (recomputed), and every store of the step and
-of later metadata up to the scheduler's next epoch is dropped (computed over
-blocks the load never wrote).  Nothing here may crash the engine or serve
+blocks are then reported to vLLM (by default vLLM ends the request with an error
+and drops the blocks from its prefix cache: ``load_failure_policy``), and every
+store of the step and of later metadata up to the scheduler's next epoch is
+dropped (computed over blocks the load never wrote).  Nothing here may crash the engine or serve
 doubtful KV; an object that fails verification is dropped from its tier at once.
 """
 
@@ -367,7 +368,8 @@ class WorkerSide:
                 scatter_state(views, block, src)
         except Exception as e:  # never crash the engine: recompute instead
             reason = e.reason if isinstance(e, ChunkError) else "error"
-            logger.exception("vllm-kvplugin: load of %s failed (%s); recomputing", req.req_id, reason)
+            logger.exception("vllm-kvplugin: load of %s failed after its claim (%s); its blocks are reported "
+                             "to vLLM (load_failure_policy: %s)", req.req_id, reason, self.cfg.load_failure_policy)
             counters.WORKER.failure(reason)
             for j in req.jobs:
                 self._invalid_blocks.update(b for b in j.block_ids if b)
