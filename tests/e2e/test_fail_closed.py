@@ -170,7 +170,6 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
     load never wrote in its prefix cache and served them to the second request: wrong output
     on vLLM 0.32.  With the default "fail" the first request ends with an error, the second
     is right, and so are both prompts afterwards on poisoned KV."""
-    from harness import Probe, engine, generate, prompt, shutdown
     from vllm import SamplingParams
 
     p = prompt(LEN, seed=300)

@@ -13,8 +13,9 @@ those verified views only.  A load can thus only fail on a copy error: its
 blocks are then reported to vLLM (by default vLLM ends the request with an error
 and drops the blocks from its prefix cache: ``load_failure_policy``), and every
 store of the step and of later metadata up to the scheduler's next epoch is
-dropped (computed over blocks the load never wrote).  Nothing here may crash the engine or serve
-doubtful KV; an object that fails verification is dropped from its tier at once.
+dropped (computed over blocks the load never wrote).  Nothing here may crash the
+engine or serve doubtful KV; an object that fails verification is dropped from
+its tier at once.
 """
 
 from __future__ import annotations
@@ -366,7 +367,7 @@ class WorkerSide:
                 self.engine.load(layout, layers, slot_t, bufs, staged=on_device)
             for views, block, src in states:
                 scatter_state(views, block, src)
-        except Exception as e:  # never crash the engine: recompute instead
+        except Exception as e:  # never crash the engine: the blocks go to vLLM as failed
             reason = e.reason if isinstance(e, ChunkError) else "error"
             logger.exception("vllm-kvplugin: load of %s failed after its claim (%s); its blocks are reported "
                              "to vLLM (load_failure_policy: %s)", req.req_id, reason, self.cfg.load_failure_policy)
