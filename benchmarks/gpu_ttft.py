@@ -144,6 +144,10 @@ def main() -> int:
             link_s = row["kvplugin_warm_cached_tokens"] * bpt / link
             row["link_s"] = round(link_s, 4)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
+        for res in results:  # the first hit after start-up against a later one (the bar: 1.0)
+            if row.get(f"{res['mode']}_first_hit_warm_s") and row.get(f"{res['mode']}_warm_s"):
+                row[f"{res['mode']}_first_hit_over_warm"] = round(
+                    row[f"{res['mode']}_first_hit_warm_s"] / row[f"{res['mode']}_warm_s"], 2)
         for res in results:  # where the warm request's time went, per stage (seconds)
             r = next(x for x in res["rows"] if x["prompt_tokens"] == row["prompt_tokens"])
             if r.get("warm_stages"):

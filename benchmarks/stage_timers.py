@@ -99,19 +99,23 @@ class StageTimers:
             self._wrap_host(owner, name, stage)
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
-        orig_sums = wmod.payload_checksums
+        orig_start = wmod.start_payload_checksums
 
-        def sums(payloads):
+        def start(payloads):  # from the hashes' start until the fetch has their values
+            wait = orig_start(payloads)
             if not getattr(self._local, "in_fetch", False):
-                return orig_sums(payloads)
+                return wait
             t0 = time.perf_counter()
-            try:
-                return orig_sums(payloads)
-            finally:
-                t1 = time.perf_counter()
-                self._host["verify"].append(t1 - t0)
-                self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
-        wmod.payload_checksums = sums
+
+            def timed_wait():
+                try:
+                    return wait()
+                finally:
+                    t1 = time.perf_counter()
+                    self._host["verify"].append(t1 - t0)
+                    self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
+            return timed_wait
+        wmod.start_payload_checksums = start
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")
         self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)

@@ -24,7 +24,7 @@ def tokens(n: int, seed: int) -> list[int]:
 def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
             settle_s: float = 0.0, timers=None) -> list[dict]:
     """In a child: per length, the cold TTFT of one prompt (a 1-token generate) and the median
-    of three warm ones, then 8 greedy tokens to compare with the baseline's.
+    of five warm ones, then 8 greedy tokens to compare with the baseline's.
 
     ``reset_prefix_cache``: vLLM's GPU prefix cache is emptied before each request (a hit
     can only come from the connector); ``primer``: one unmeasured request of that length on
@@ -50,7 +50,10 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
         t, o = once(p)
         return t, o, timers.collect() if timers else None
 
-    once(tokens(300, 0))  # warm-up
+    # warm-up, decoding a few tokens as every served request does: vLLM's first one-token step
+    # after start-up has first-use costs of its own (every mode, hit or not), which are not a
+    # first hit's
+    once(tokens(300, 0), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     # the first hit after start-up, measured apart (its first-use costs), before the measured ones
     first = tokens(lengths[0], 7 * 10**6)
     once(first)
@@ -64,7 +67,7 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
         cold, oc, cold_stages = timed(p)
         time.sleep(settle_s)
         warm, ow, warm_stages = timed(p)
-        warm = statistics.median([warm] + [once(p)[0] for _ in range(2)])  # 3 warm runs: their median
+        warm = statistics.median([warm] + [once(p)[0] for _ in range(4)])  # 5 warm runs: their median
         _, ox = once(p, spx)
         stages = {}
         if timers:

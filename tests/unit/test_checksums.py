@@ -72,3 +72,30 @@ def test_hash_then_copy_refuses_other_sizes():
 
     with pytest.raises(ValueError, match="destination sizes"):
         checksums.hash_then_copy(_payloads(2, 16), [memoryview(bytearray(16)), memoryview(bytearray(15))])
+
+
+def test_started_checksums_run_while_the_caller_works(monkeypatch):
+    """The hashes run on the pool from the start call on; the wait returns them in order."""
+    go, started = threading.Event(), threading.Semaphore(0)
+
+    def gated(p):
+        started.release()
+        assert go.wait(10)
+        return payload_checksum(p)
+    monkeypatch.setattr(checksums, "payload_checksum", gated)
+    ps = _payloads(12, 1 << 20)
+    want = [payload_checksum(p) for p in ps]
+    wait = checksums.start_payload_checksums(ps)
+    assert started.acquire(timeout=10)  # hashing already, before anybody waits
+    go.set()
+    assert wait() == want
+
+
+def test_started_checksums_of_small_inputs_wait_on_the_calling_thread(monkeypatch):
+    seen = []
+    monkeypatch.setattr(checksums, "payload_checksum", lambda p: seen.append(threading.get_ident()) or payload_checksum(p))
+    ps = _payloads(3, 1 << 10)
+    wait = checksums.start_payload_checksums(ps)
+    assert seen == []
+    assert wait() == [payload_checksum(p) for p in ps]
+    assert set(seen) == {threading.get_ident()}

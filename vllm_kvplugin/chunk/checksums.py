@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -40,9 +40,18 @@ def _executor() -> ThreadPoolExecutor:
 
 def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
     """``payload_checksum`` of each payload; several threads when they are large and many."""
+    return start_payload_checksums(payloads)()
+
+
+def start_payload_checksums(payloads: Sequence[memoryview]) -> Callable[[], list[int]]:
+    """:func:`payload_checksums`, started on the hashing threads now; the returned function
+    waits for them and returns the checksums in order.  The caller works meanwhile and must not
+    change the payloads before it has called it.  Small inputs are hashed when it is called, on
+    the calling thread."""
     if len(payloads) < 2 or sum(p.nbytes for p in payloads) < PARALLEL_MIN_BYTES:
-        return [payload_checksum(p) for p in payloads]
-    return list(_executor().map(payload_checksum, payloads))
+        return lambda: [payload_checksum(p) for p in payloads]
+    futures = [_executor().submit(payload_checksum, p) for p in payloads]
+    return lambda: [f.result() for f in futures]
 
 
 def _hash_then_copy(pair: tuple[memoryview, memoryview]) -> int:

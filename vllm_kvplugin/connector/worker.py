@@ -31,7 +31,12 @@ import torch
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
-from vllm_kvplugin.chunk.checksums import PARALLEL_MIN_BYTES, hash_then_copy, payload_checksums
+from vllm_kvplugin.chunk.checksums import (
+    PARALLEL_MIN_BYTES,
+    hash_then_copy,
+    payload_checksums,
+    start_payload_checksums,
+)
 from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
     ChunkError,
@@ -235,9 +240,11 @@ class WorkerSide:
                 found[n] = self._object(job, views[n])
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
-        # the link moves them while the host checks headers and hashes (unverified bytes go
-        # into staging only; a load scatters verified objects alone)
+        # the link moves them while the host hashes them and checks their headers (unverified
+        # bytes go into staging only; a load scatters verified objects alone)
         prefetched = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
+        order = list(found)  # every payload hashed (in parallel) before any byte is used
+        sums = start_payload_checksums([found[n][1] for n in order]) if self.cfg.verify_checksums else None
         checked: dict[int, tuple[int, memoryview, torch.Tensor]] = {}
         for n, (header, data, tensor) in found.items():
             job = jobs[n]
@@ -246,10 +253,9 @@ class WorkerSide:
                 checked[n] = (check_chunk(header, data, expect, verify_checksum=False).checksum, data, tensor)
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
-        if self.cfg.verify_checksums:  # every payload hashed (in parallel) before any byte is used
-            order = list(checked)
-            for n, got in zip(order, payload_checksums([checked[n][1] for n in order])):
-                if got != checked[n][0]:
+        if sums is not None:
+            for n, got in zip(order, sums()):
+                if n in checked and got != checked[n][0]:
                     errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
         good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
         self._staged[req.req_id] = {(j.position, j.group): checked[n][2] for n, j in enumerate(jobs[:good])}
