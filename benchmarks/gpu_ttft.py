@@ -11,6 +11,8 @@ prompts in the same order:
   hit, no transfer at all (the floor any connector is measured against);
 * ``kvplugin``   - KVPluginConnector, in-process tier (page-locked host memory);
 * ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
+* ``kvplugin-hash8`` - ``kvplugin`` hashing on at most 8 host threads (not in the default set:
+  whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -76,6 +78,10 @@ def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, 
     import vllm_kvplugin
 
     timers = StageTimers().install()
+    if mode == "kvplugin-hash8":
+        from vllm_kvplugin.chunk import checksums
+
+        checksums.MAX_THREADS = 8  # read when the hashing pool is made (at registration)
     ktc = transfer_config(mode, chunk, host_bytes, server)
     max_len = max(lengths) + 64
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,

@@ -53,6 +53,12 @@ FIELDS: tuple[FieldDoc, ...] = (
              "Upper bound on a server call inside an engine step (resolve, reserve, commit): a "
              "stopped or stuck server costs a miss or a skipped store, never more than this "
              "in a running request's inter-token gap."),
+    FieldDoc("server_staging_bytes", (int, type(None)), None,
+             "Host memory of each worker (page-locked on GPU machines, allocated at start-up) where "
+             "a step's server objects are gathered and hashed before they are copied into the "
+             "server's shared pool. Objects of a step beyond what is free are not sent to the server "
+             "(counted: `server_store_skipped`). Unset: twice the KV of one full step "
+             "(`max_num_batched_tokens` plus a chunk), at most 16 GiB."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the xxh3 payload checksum of every chunk before it reaches the KV cache."),
     FieldDoc("gpu_staging_bytes", (int, type(None)), None,
@@ -96,6 +102,7 @@ class KVPluginConfig:
     server_uid: int | None = None
     server_timeout_s: float = 5.0
     server_step_timeout_s: float = 0.05
+    server_staging_bytes: int | None = None
     verify_checksums: bool = True
     gpu_staging_bytes: int | None = None
     certify: bool = True
@@ -133,6 +140,8 @@ class KVPluginConfig:
             raise ConfigError(f"vllm-kvplugin: state_interval must be > 0, got {self.state_interval}")
         if self.cpu_bytes < 0:
             raise ConfigError(f"vllm-kvplugin: cpu_bytes must be >= 0, got {self.cpu_bytes}")
+        if self.server_staging_bytes is not None and self.server_staging_bytes < 0:
+            raise ConfigError(f"vllm-kvplugin: server_staging_bytes must be >= 0, got {self.server_staging_bytes}")
         if self.gpu_staging_bytes is not None and self.gpu_staging_bytes < 0:
             raise ConfigError(f"vllm-kvplugin: gpu_staging_bytes must be >= 0, got {self.gpu_staging_bytes}")
         if self.server_timeout_s <= 0:

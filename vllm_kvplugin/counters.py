@@ -15,8 +15,9 @@ and worker in one process never reports a counter twice:
   where they differ;
 * worker: ``loaded_tokens``, ``loaded_bytes``, ``stored_tokens``,
   ``stored_bytes``, ``load_seconds``, ``store_seconds``,
-  ``server_store_errors``, ``stores_cancelled`` (objects not stored because a load
-  of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
+  ``server_store_errors``, ``server_store_skipped`` (server objects of a step that
+  found no room in the worker's staging memory), ``stores_cancelled`` (objects not stored
+  because a load of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
   verification failed before its claim counts here too).
 
 Each connector hands vLLM the *delta* of its own set every step
@@ -39,7 +40,7 @@ SCHEDULER_FIELDS = (
 )
 WORKER_FIELDS = (
     "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",
-    "load_seconds", "store_seconds", "server_store_errors", "stores_cancelled",
+    "load_seconds", "store_seconds", "server_store_errors", "server_store_skipped", "stores_cancelled",
 )
 FAILURES = "load_failures"
 

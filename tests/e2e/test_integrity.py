@@ -195,22 +195,22 @@ def test_a_stores_checksum_is_of_its_own_bytes_not_the_shared_pools(qwen3_model,
 
 @pytest.mark.newest_lane
 def test_a_store_that_cannot_get_host_memory_stores_nothing(qwen3_model, server, monkeypatch):  # noqa: F811
-    """The worker's own host buffer for a server store cannot be had (as when page-locked memory
-    runs out; mocked: it cannot be caused on purpose here): that step stores nothing, its
-    reservations go back, the engine goes on; the prompt is right, recomputed where the chunk
+    """The worker's own host memory for a server store cannot be had (its staging fails while
+    the store is issued; mocked: it cannot be caused on purpose here): that step stores nothing,
+    its reservations go back, the engine goes on; the prompt is right, recomputed where the chunk
     is missing, stored again, and then hits in full on poisoned KV."""
     from vllm_kvplugin.transfer import host_buffers
 
     want_p, = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)
-    take, calls = host_buffers.HostBuffers.take, []
+    take, calls = host_buffers.HostBuffers.take_slices, []
 
-    def first_take_fails(hb, nbytes):
-        calls.append(nbytes)
+    def first_take_fails(hb, sizes):
+        calls.append(sizes)
         if len(calls) == 1:
-            raise RuntimeError("cannot allocate page-locked memory (test)")
-        return take(hb, nbytes)
+            raise RuntimeError("cannot use the staging memory (test)")
+        return take(hb, sizes)
 
-    monkeypatch.setattr(host_buffers.HostBuffers, "take", first_take_fails)
+    monkeypatch.setattr(host_buffers.HostBuffers, "take_slices", first_take_fails)
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},

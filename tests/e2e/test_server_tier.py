@@ -324,3 +324,36 @@ def test_server_restarts_leave_one_pool_mapped(qwen3_model, workdir):
     finally:
         shutdown(llm)
         srv.stop()
+
+
+@pytest.mark.newest_lane
+def test_server_objects_beyond_the_staging_room_are_not_stored(qwen3_model, server):
+    """A worker gathers server objects into its own staging memory (allocated at start-up, never
+    in a step); a step's objects that find no room there are not sent: counted, missed later,
+    never wrong.  Room for none, then for 2 of a step's 4 objects: the server holds the leading 2."""
+    from vllm_kvplugin.chunk.format import HEADER_SIZE
+    from vllm_kvplugin.transfer.host_buffers import HostBuffers, aligned
+
+    p, q = prompt(8 * CHUNK + 3, seed=600), prompt(8 * CHUNK + 5, seed=601)
+    want_p, want_q = _baseline(qwen3_model, 32, [[p], [q]], budget=4 * CHUNK)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address,
+                                       "server_staging_bytes": 1}, budget=4 * CHUNK)
+        try:
+            assert generate(llm, [p])[0].token_ids == want_p
+            s = vllm_kvplugin.stats()
+            assert s["server_store_skipped"] == 8 and s["stored_tokens"] == 0, s
+            probe.poison_all_blocks()
+            warm = generate(llm, [p])[0]
+            assert warm.token_ids == want_p and warm.num_cached_tokens == 0
+            w = probe.worker
+            obj = aligned(HEADER_SIZE + w.groups[0].object_bytes(CHUNK))  # payloads: < obj each
+            w._private = HostBuffers(2 * obj, pin=False)  # room for 2 of a step's 4 objects
+            assert generate(llm, [q])[0].token_ids == want_q
+            assert vllm_kvplugin.stats()["server_store_skipped"] >= 8 + 2
+            probe.poison_all_blocks(seed=1)
+            warm = generate(llm, [q])[0]
+            assert warm.token_ids == want_q and warm.num_cached_tokens == 2 * CHUNK, warm.num_cached_tokens
+        finally:
+            shutdown(llm)

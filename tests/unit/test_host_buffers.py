@@ -1,40 +1,65 @@
-"""The worker's private host buffers (``transfer/host_buffers.py``): sizes, reuse, the cap."""
+"""The worker's private host buffers (``transfer/host_buffers.py``): ranges of one slab, the
+leading objects that fit, ranges given back and merged."""
 
 from __future__ import annotations
+
+import pytest
 
 from vllm_kvplugin.transfer.host_buffers import ALIGN, HostBuffers, aligned
 
 
-def test_sizes_are_powers_of_two_of_at_least_a_mebibyte():
-    hb = HostBuffers(pin=False)
-    for n, want in ((1, 1 << 20), (1 << 20, 1 << 20), ((1 << 20) + 1, 2 << 20), (5 << 20, 8 << 20)):
-        b = hb.take(n)
-        assert b.numel() == want and b.is_contiguous() and b.element_size() == 1
+def _offsets(hb: HostBuffers, slices) -> list[int]:
+    return [s.data_ptr() - hb.slab.data_ptr() for s in slices]
+
+
+def test_slices_are_aligned_ranges_of_the_slab():
+    hb = HostBuffers(4 * ALIGN, pin=False)
+    slices, buf = hb.take_slices([10, ALIGN, 3])
+    assert [s.numel() for s in slices] == [10, ALIGN, 3]
+    assert _offsets(hb, slices) == [0, ALIGN, 2 * ALIGN]
+    assert buf.numel() == 3 * ALIGN and hb.free_bytes() == ALIGN
     assert [aligned(n) for n in (0, 1, ALIGN, ALIGN + 1)] == [0, ALIGN, ALIGN, 2 * ALIGN]
 
 
-def test_the_smallest_kept_buffer_that_fits_is_reused():
-    hb = HostBuffers(pin=False)
-    big, small = hb.take(3 << 20), hb.take(1 << 20)
-    hb.give(big)
-    hb.give(small)  # kept after the big one: found by size, not by comparing tensors
-    assert hb.take(1000) is small
-    assert hb.take(1000) is big  # the only one left that fits
-    fresh = hb.take(1000)
-    assert fresh is not small and fresh is not big
+def test_only_the_leading_objects_that_fit_are_given():
+    hb = HostBuffers(3 * ALIGN, pin=False)
+    slices, buf = hb.take_slices([ALIGN, 2 * ALIGN, ALIGN])  # 4 * ALIGN asked, 3 there
+    assert [s.numel() for s in slices] == [ALIGN, 2 * ALIGN] and hb.free_bytes() == 0
+    assert hb.take_slices([1]) == ([], None)  # full: nothing, never a wait
+    hb.give(buf)
+    assert hb.free_bytes() == 3 * ALIGN
 
 
-def test_buffers_beyond_the_cap_are_not_kept():
-    hb = HostBuffers(pin=False, keep_bytes=2 << 20)
-    a, b = hb.take(2 << 20), hb.take(1 << 20)
+def test_ranges_given_back_merge_into_room_for_a_larger_one():
+    hb = HostBuffers(3 * ALIGN, pin=False)
+    bufs = [hb.take_slices([ALIGN])[1] for _ in range(3)]
+    hb.give(bufs[0])
+    hb.give(bufs[2])
+    assert hb.take_slices([2 * ALIGN]) == ([], None)  # 2 free, not next to each other
+    hb.give(bufs[1])  # now one range of 3
+    slices, _ = hb.take_slices([3 * ALIGN])
+    assert _offsets(hb, slices) == [0]
+
+
+def test_first_fit_reuses_the_room_of_an_earlier_range():
+    hb = HostBuffers(4 * ALIGN, pin=False)
+    a = hb.take_slices([ALIGN])[1]
+    hb.take_slices([ALIGN])
     hb.give(a)
-    hb.give(b)  # 3 MiB would be kept in all: over the cap, dropped
-    assert hb.take(1 << 20) is a
-    assert hb.take(1 << 20) is not b
+    slices, _ = hb.take_slices([ALIGN])
+    assert _offsets(hb, slices) == [0]
 
 
-def test_slices_are_aligned_and_cover_their_sizes():
-    hb = HostBuffers(pin=False)
-    slices, buf = hb.take_slices([10, ALIGN, 3])
-    assert [s.numel() for s in slices] == [10, ALIGN, 3]
-    assert [s.data_ptr() - buf.data_ptr() for s in slices] == [0, ALIGN, 2 * ALIGN]
+def test_a_foreign_or_repeated_give_is_refused():
+    hb = HostBuffers(2 * ALIGN, pin=False)
+    _, buf = hb.take_slices([ALIGN])
+    hb.give(buf)
+    with pytest.raises(ValueError, match="twice"):
+        hb.give(buf)
+    with pytest.raises(ValueError, match="not a range"):
+        hb.give(HostBuffers(ALIGN, pin=False).slab)
+
+
+def test_no_room_at_all():
+    hb = HostBuffers(0, pin=False)
+    assert hb.take_slices([1]) == ([], None) and hb.free_bytes() == 0

@@ -237,6 +237,11 @@ def model_parallel_world(vllm_config: Any) -> int:
     return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
 
 
+def max_batched_tokens(vllm_config: Any) -> int:
+    """The most tokens one engine step computes (vLLM's ``max_num_batched_tokens``)."""
+    return int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
 def check_pipeline_split(vllm_config: Any) -> None:
     """Pipeline parallelism only with every stage holding the same number of layers (the only
     split tested); anything else is a start-up error naming the split."""

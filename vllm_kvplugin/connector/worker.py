@@ -173,9 +173,23 @@ class WorkerSide:
                               [self._dtype(g) for g in range(len(self.groups))], num_slots, pin_memory=pin)
         if self.cfg.server:
             self.server = ServerStore(self.cfg, self.rank, self.world, f"worker{self.rank}", pin_for_cuda=pin)
-            self._private = HostBuffers(pin=pin)
+            nbytes = self._staging_bytes()
+            try:
+                self._private = HostBuffers(nbytes, pin=pin)
+            except RuntimeError as e:
+                raise RuntimeError(f"vllm-kvplugin: cannot allocate {nbytes} bytes of host memory for "
+                                   f"server_staging_bytes ({e}); set server_staging_bytes lower") from e
         global _REGISTERED
         _REGISTERED = weakref.ref(self)
+
+    def _staging_bytes(self) -> int:
+        """Room for a step's server objects (``server_staging_bytes``; unset: two full steps'
+        objects, at most 16 GiB)."""
+        if self.cfg.server_staging_bytes is not None:
+            return self.cfg.server_staging_bytes
+        C = self.chunk_size
+        per_chunk = sum(HEADER_SIZE + g.object_bytes(C) for g in self.groups)
+        return min(16 << 30, 2 * (-(-_common.max_batched_tokens(self.vllm_config) // C) + 1) * per_chunk)
 
     @property
     def _token_group(self) -> int:
@@ -240,11 +254,12 @@ class WorkerSide:
                 found[n] = self._object(job, views[n])
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
-        # the link moves them while the host hashes them and checks their headers (unverified
-        # bytes go into staging only; a load scatters verified objects alone)
-        prefetched = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
+        # the host hashes them while the link moves them and the headers are checked (unverified
+        # bytes go into staging only; a load scatters verified objects alone); the hashes first:
+        # the verdict ends this step, and the copies have time to spare in the next
         order = list(found)  # every payload hashed (in parallel) before any byte is used
         sums = start_payload_checksums([found[n][1] for n in order]) if self.cfg.verify_checksums else None
+        prefetched = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
         checked: dict[int, tuple[int, memoryview, torch.Tensor]] = {}
         for n, (header, data, tensor) in found.items():
             job = jobs[n]
@@ -408,6 +423,10 @@ class WorkerSide:
             sources, private = [], None
             if remote:
                 sources, private = self._private.take_slices([t.payload.numel() for t in remote])
+                if len(sources) < len(remote):  # no room for the rest: not sent (never waited for)
+                    skipped, remote = remote[len(sources):], remote[:len(sources)]
+                    counters.WORKER.add(server_store_skipped=len(skipped))
+                    self.server.abort([t.oid for t in skipped])
             for g, spec in enumerate(self.groups):
                 targets: list[tuple[StoreJob, torch.Tensor]] = []
                 for job in local:

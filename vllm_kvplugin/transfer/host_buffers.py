@@ -8,6 +8,10 @@ buffer only its own process maps, hashes them there, and only then copies them i
 (:func:`vllm_kvplugin.chunk.checksums.hash_then_copy`); a byte changed in the pool after that
 fails the checksum at the load and is recomputed.
 
+The buffers are ranges of one slab allocated at start-up (page-locked on a GPU machine): page-
+locking gigabytes takes about a second per gigabyte, which must never fall inside an engine
+step.  A store whose objects do not all fit in the free room sends only the leading ones that do.
+
 Who calls: the worker takes a buffer when it issues a store (vLLM's thread) and gives it back
 when the store finished (the finisher thread); after a store that failed while being issued it
 is not given back (copies issued before the failure may still write it).  Thread-safe.
@@ -15,14 +19,13 @@ is not given back (copies issued before the failure may still write it).  Thread
 
 from __future__ import annotations
 
+import bisect
 import threading
 
 import torch
 
 #: slices handed out start at multiples of this (a dtype view of any slice is aligned)
 ALIGN = 256
-#: released buffers kept for reuse, at most this many bytes in all
-KEEP_BYTES = 1 << 30
 
 
 def aligned(nbytes: int) -> int:
@@ -30,37 +33,59 @@ def aligned(nbytes: int) -> int:
 
 
 class HostBuffers:
-    """Reusable flat ``uint8`` host tensors (page-locked when ``pin``: the GPU copies into them).
+    """Contiguous ranges of one flat ``uint8`` host slab of ``capacity`` bytes (page-locked when
+    ``pin``: the GPU copies into them), first fit, freed ranges merged with their neighbours."""
 
-    Sizes are rounded up to a power of two so that buffers of a similar store are reused; a
-    released buffer is kept while the kept ones stay within ``keep_bytes``."""
-
-    def __init__(self, pin: bool, keep_bytes: int = KEEP_BYTES):
-        self.pin = pin
-        self.keep_bytes = keep_bytes
-        self._free: list[torch.Tensor] = []
+    def __init__(self, capacity: int, pin: bool):
+        self.capacity = aligned(max(0, capacity))
+        self.slab = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (offset, size)
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` bytes, owned by the caller until :meth:`give`."""
+    def free_bytes(self) -> int:
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-            if fits:  # the smallest that fits (by index: tensors do not compare as list items)
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        size = 1 << max(20, (nbytes - 1).bit_length())
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            return sum(n for _, n in self._free)
 
-    def take_slices(self, sizes: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One buffer cut into slices of ``sizes`` bytes (each aligned); give back the buffer."""
-        buf = self.take(sum(aligned(n) for n in sizes))
-        slices, off = [], 0
-        for n in sizes:
-            slices.append(buf[off:off + n])
-            off += aligned(n)
+    def take_slices(self, sizes: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Slices of ``sizes`` bytes (each aligned) in one range, for the longest leading run of
+        ``sizes`` that fits the largest free range (maybe none: ``([], None)``); give back the
+        range (the second value)."""
+        with self._lock:
+            largest = max((n for _, n in self._free), default=0)
+            k, need = 0, 0
+            while k < len(sizes) and need + aligned(sizes[k]) <= largest:
+                need += aligned(sizes[k])
+                k += 1
+            if k == 0:
+                return [], None
+            i = next(i for i, (_, n) in enumerate(self._free) if n >= need)
+            off, n = self._free[i]
+            if n == need:
+                del self._free[i]
+            else:
+                self._free[i] = (off + need, n - need)
+        buf = self.slab[off:off + need]
+        slices, at = [], 0
+        for n in sizes[:k]:
+            slices.append(buf[at:at + n])
+            at += aligned(n)
         return slices, buf
 
     def give(self, buf: torch.Tensor) -> None:
-        """Back for reuse (no copy into or out of it may still be in flight)."""
+        """A range back (no copy into or out of it may still be in flight)."""
+        off = buf.data_ptr() - self.slab.data_ptr()
+        n = buf.numel()
+        if not (0 <= off and off + n <= self.capacity and off % ALIGN == 0):
+            raise ValueError(f"host buffer at offset {off} of {n} bytes is not a range of this slab "
+                             f"({self.capacity} bytes)")
         with self._lock:
-            if sum(b.numel() for b in self._free) + buf.numel() <= self.keep_bytes:
-                self._free.append(buf)
+            i = bisect.bisect(self._free, (off, n))
+            if (i > 0 and sum(self._free[i - 1]) > off) or (i < len(self._free) and off + n > self._free[i][0]):
+                raise ValueError(f"host buffer at offset {off} of {n} bytes given back twice")
+            if i < len(self._free) and off + n == self._free[i][0]:  # merge with the next
+                n += self._free.pop(i)[1]
+            if i > 0 and sum(self._free[i - 1]) == off:  # and with the previous
+                off, n = self._free[i - 1][0], self._free[i - 1][1] + n
+                i -= 1
+                del self._free[i]
+            self._free.insert(i, (off, n))
