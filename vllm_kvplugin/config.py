@@ -57,8 +57,8 @@ FIELDS: tuple[FieldDoc, ...] = (
              "Host memory of each worker (page-locked on GPU machines, allocated at start-up) where "
              "a step's server objects are gathered and hashed before they are copied into the "
              "server's shared pool. Objects of a step beyond what is free are not sent to the server "
-             "(counted: `server_store_skipped`). Unset: twice the KV of one full step "
-             "(`max_num_batched_tokens` plus a chunk), at most 16 GiB."),
+             "(counted: `server_store_skipped`). Unset: four times the KV of one full step "
+             "(`max_num_batched_tokens` plus a chunk), within 1 and 16 GiB."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the xxh3 payload checksum of every chunk before it reaches the KV cache."),
     FieldDoc("gpu_staging_bytes", (int, type(None)), None,

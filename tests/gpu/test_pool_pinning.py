@@ -61,6 +61,7 @@ def test_restarts_unregister_and_unmap_the_old_pools(tmp_path):
     unregistered (cudaHostUnregister) and unmapped once nothing uses it; copies keep landing."""
     import os
     import sys
+    import time
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
     from srvutil import ServerProc
@@ -81,12 +82,12 @@ def test_restarts_unregister_and_unmap_the_old_pools(tmp_path):
         for _ in range(3):
             assert srv.stop() == 0
             srv.start()
-            for _attempt in range(3):  # the call that meets the new instance fails once
-                try:
+            for _attempt in range(40):  # the call that meets the new instance fails, and the
+                try:                    # client backs off for a second before it asks again
                     ws._client.stats()
                     break
                 except TierUnavailable:
-                    pass
+                    time.sleep(0.25)
             pool = ws._pool()
             assert pool.is_pinned()
             src = torch.randint(0, 256, (4096,), dtype=torch.uint8, device="cuda")

@@ -183,13 +183,15 @@ class WorkerSide:
         _REGISTERED = weakref.ref(self)
 
     def _staging_bytes(self) -> int:
-        """Room for a step's server objects (``server_staging_bytes``; unset: two full steps'
-        objects, at most 16 GiB)."""
+        """Room for the server objects of the stores in flight (``server_staging_bytes``; unset:
+        four full steps' objects -- the finisher may lag a few short steps behind -- within
+        1 and 16 GiB)."""
         if self.cfg.server_staging_bytes is not None:
             return self.cfg.server_staging_bytes
         C = self.chunk_size
         per_chunk = sum(HEADER_SIZE + g.object_bytes(C) for g in self.groups)
-        return min(16 << 30, 2 * (-(-_common.max_batched_tokens(self.vllm_config) // C) + 1) * per_chunk)
+        step = (-(-_common.max_batched_tokens(self.vllm_config) // C) + 1) * per_chunk
+        return min(16 << 30, max(1 << 30, 4 * step))
 
     @property
     def _token_group(self) -> int:
