@@ -20,12 +20,17 @@
 ``reset()`` before a request, ``collect()`` after it (synchronizes the device): seconds per
 stage (summed), the count of each, and a ``timeline``: every interval as ``[stage, start_ms,
 end_ms]`` from the reset, host and device on one clock (a CUDA event recorded at the reset, the
-device idle, marks the host's time zero).  Benchmark-only: the plugin itself is unchanged.
+device idle, marks the host's time zero); a wrapped call's interval has a fourth value, the CPU
+time its thread spent in it (ms: less than the interval when it waited -- the GIL, a lock, the device),
+and Python's garbage collections of generations 1 and 2 appear as ``gc1``/``gc2`` (those of
+generation 0 only in the sums, as ``gc0``).
+Benchmark-only: the plugin itself is unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from collections import defaultdict
@@ -38,7 +43,8 @@ class StageTimers:
         self._local = threading.local()
         self._t0 = time.perf_counter()
         self._ref = None  # CUDA event at the reset: the device's time zero
-        self._spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._spans: dict[str, list[tuple[float, ...]]] = defaultdict(list)
+        self._gc_start: dict[int, float] = {}
 
     # ---------------------------------------------------------------- wrappers
     def _wrap_host(self, owner, name: str, stage: str, flag: str | None = None) -> None:
@@ -48,13 +54,13 @@ class StageTimers:
         def timed(*a, **k):
             if flag:
                 setattr(self._local, flag, True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return orig(*a, **k)
             finally:
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 self._host[stage].append(t1 - t0)
-                self._spans[stage].append((t0 - self._t0, t1 - self._t0))
+                self._spans[stage].append((t0 - self._t0, t1 - self._t0, c1 - c0))
                 if flag:
                     setattr(self._local, flag, False)
         setattr(owner, name, timed)
@@ -116,11 +122,24 @@ class StageTimers:
                     self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
             return timed_wait
         wmod.start_payload_checksums = start
+        gc.callbacks.append(self._on_gc)
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")
         self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
         self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)
         return self
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start[threading.get_ident()] = now
+            return
+        t0 = self._gc_start.pop(threading.get_ident(), None)
+        if t0 is not None:
+            stage = f"gc{info.get('generation', '')}"
+            self._host[stage].append(now - t0)
+            if stage != "gc0":  # the youngest generation's are many and short: summed only
+                self._spans[stage].append((t0 - self._t0, now - self._t0))
 
     # ------------------------------------------------------------------ results
     def reset(self) -> None:
@@ -146,10 +165,10 @@ class StageTimers:
             out[stage] = {"s": round(sum(a.elapsed_time(b) for a, b in pairs) / 1e3, 5), "n": len(pairs)}
         if "step" in self._host:
             out["steps_s"] = [round(t, 5) for t in self._host["step"]]
-        spans = [(stage, a * 1e3, b * 1e3) for stage, ab in self._spans.items() for a, b in ab]
+        spans = [(stage, *(x * 1e3 for x in span)) for stage, ss in self._spans.items() for span in ss]
         if self._ref is not None:
             spans += [(stage, self._ref.elapsed_time(a), self._ref.elapsed_time(b))
                       for stage, pairs in self._cuda.items() for a, b in pairs]
-        out["timeline"] = [[stage, round(a, 2), round(b, 2)] for stage, a, b in sorted(spans, key=lambda x: x[1])]
+        out["timeline"] = [[stage, *(round(x, 2) for x in span)] for stage, *span in sorted(spans, key=lambda x: x[1])]
         self.reset()
         return out
