@@ -123,7 +123,7 @@ def main() -> int:
                 "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes), "--repeats", str(args.repeats)]
 
     results, errors = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=True,
-                                            l1_bytes=args.host_bytes)
+                                            l1_bytes=args.host_bytes, partial=args.out + ".partial")
     by_mode = {r["mode"]: r["rows"] for r in results}
     base = by_mode.get("baseline")
     summary = []
@@ -148,6 +148,7 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
+    Path(args.out + ".partial").unlink(missing_ok=True)  # the whole run is in args.out
     for row in summary:
         print(" | ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("match_baseline")))
     return 0 if not errors else 1

@@ -137,7 +137,7 @@ def main() -> int:
                 "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
 
     results, errors = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=True,
-                                            l1_bytes=args.host_bytes)
+                                            l1_bytes=args.host_bytes, partial=args.out + ".partial")
     summary = summarize(results, lengths,
                         {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
                          "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})
@@ -167,6 +167,7 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
+    Path(args.out + ".partial").unlink(missing_ok=True)  # the whole run is in args.out
     print_table(summary, ("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm"))
     return 0 if not errors else 1
 

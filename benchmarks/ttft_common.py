@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -94,10 +95,12 @@ def start_server(l1_bytes: int) -> tuple[subprocess.Popen, str]:
 
 
 def run_modes(script: str, modes: Sequence[str], child_args: Callable[[str], list[str]],
-              keep_going: bool) -> tuple[list[dict], dict[str, str]]:
+              keep_going: bool, partial: str | None = None) -> tuple[list[dict], dict[str, str]]:
     """Each mode in its own ``python script --child MODE ...`` process, in order.
 
     A failed mode stops the run, or with ``keep_going`` is recorded (stderr tail) and skipped.
+    ``partial``: a file rewritten after each mode with the results so far (a run cut off by a
+    time limit keeps the modes it finished).
     """
     results, errors = [], {}
     for mode in modes:
@@ -115,13 +118,16 @@ def run_modes(script: str, modes: Sequence[str], child_args: Callable[[str], lis
         res["wall_s"] = round(time.time() - t0, 1)
         results.append(res)
         print(f"{mode}: done in {res['wall_s']} s", file=sys.stderr, flush=True)
+        if partial:
+            Path(partial).parent.mkdir(parents=True, exist_ok=True)
+            Path(partial).write_text(json.dumps({"partial": True, "modes": results, "errors": errors}))
     return results, errors
 
 
 
 def run_modes_with_server(script: str, modes: Sequence[str], child_args: Callable[[str], list[str]],
-                          keep_going: bool, l1_bytes: int, address: str | None = None
-                          ) -> tuple[list[dict], dict[str, str]]:
+                          keep_going: bool, l1_bytes: int, address: str | None = None,
+                          partial: str | None = None) -> tuple[list[dict], dict[str, str]]:
     """:func:`run_modes`, with a cache server for the ``kvplugin-server`` mode: the one at
     ``address``, else one started for the run (its pool of ``l1_bytes`` is allocated at start)
     and stopped after; that mode's child gets ``--server ADDRESS`` after ``child_args``."""
@@ -133,7 +139,7 @@ def run_modes_with_server(script: str, modes: Sequence[str], child_args: Callabl
         return child_args(mode) + (["--server", address] if mode == "kvplugin-server" else [])
 
     try:
-        return run_modes(script, modes, args_for, keep_going)
+        return run_modes(script, modes, args_for, keep_going, partial)
     finally:
         if proc is not None:
             proc.terminate()
