@@ -194,23 +194,27 @@ def test_a_stores_checksum_is_of_its_own_bytes_not_the_shared_pools(qwen3_model,
 
 
 @pytest.mark.newest_lane
-def test_a_store_that_cannot_get_host_memory_stores_nothing(qwen3_model, server, monkeypatch):  # noqa: F811
-    """The worker's own host memory for a server store cannot be had (its staging fails while
-    the store is issued; mocked: it cannot be caused on purpose here): that step stores nothing,
-    its reservations go back, the engine goes on; the prompt is right, recomputed where the chunk
-    is missing, stored again, and then hits in full on poisoned KV."""
+@pytest.mark.parametrize("where", ["staging", "copy"])
+def test_a_store_that_cannot_get_host_memory_stores_nothing(qwen3_model, server, monkeypatch, where):  # noqa: F811
+    """A server store fails while it is issued (mocked: it cannot be caused on purpose here):
+    taking its staging memory, or copying into it.  That step stores nothing, its reservations
+    go back, its staging room too, the engine goes on; the prompt is right, recomputed where the
+    chunk is missing, stored again, and then hits in full on poisoned KV."""
+    from vllm_kvplugin.transfer import cpu as cpu_transfer
     from vllm_kvplugin.transfer import host_buffers
 
     want_p, = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)
-    take, calls = host_buffers.HostBuffers.take_slices, []
+    owner, name = ((host_buffers.HostBuffers, "take_slices") if where == "staging"
+                   else (cpu_transfer.CpuTransfer, "store"))
+    orig, calls = getattr(owner, name), []
 
-    def first_take_fails(hb, sizes):
-        calls.append(sizes)
+    def first_call_fails(*a):
+        calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("cannot use the staging memory (test)")
-        return take(hb, sizes)
+            raise RuntimeError(f"{where} failed (test)")
+        return orig(*a)
 
-    monkeypatch.setattr(host_buffers.HostBuffers, "take_slices", first_take_fails)
+    monkeypatch.setattr(owner, name, first_call_fails)
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
@@ -227,6 +231,9 @@ def test_a_store_that_cannot_get_host_memory_stores_nothing(qwen3_model, server,
                 assert r.token_ids == want_p and r.num_cached_tokens == 8 * CHUNK
             assert vllm_kvplugin.stats()["load_failures"] == {}
             assert not probe.kv_mismatches and probe.kv_checked > 0
+            assert probe.worker.finisher.drain(10)
+            staging = probe.worker._private
+            assert staging.free_bytes() == staging.capacity  # the failed store's room came back
         finally:
             shutdown(llm)
 

@@ -453,8 +453,23 @@ class WorkerSide:
             if remote and self.server is not None:
                 counters.WORKER.add(server_store_errors=1)
                 self.server.abort([t.oid for t in remote])
-            return  # (``private`` is not reused: copies issued before the failure may still write it)
+            if private is not None:
+                self._give_back_after_failure(private)
+            return
         self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
+
+    def _give_back_after_failure(self, private: torch.Tensor) -> None:
+        """Staging room of a store that failed while it was issued: back once the device has
+        finished every copy issued before the failure (which may still write it); kept out of
+        use for good when even that cannot be known."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception:
+            logger.exception("vllm-kvplugin: %d bytes of server staging memory are kept out of use",
+                             private.numel())
+            return
+        self._private.give(private)
 
     def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
         for j in jobs:

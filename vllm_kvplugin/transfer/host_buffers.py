@@ -13,9 +13,8 @@ locking gigabytes takes about a second per gigabyte, which must never fall insid
 step.  A store whose objects do not all fit in the free room sends only the leading ones that do.
 
 Who calls: the worker takes a buffer when it issues a store (vLLM's thread) and gives it back
-when the store finished (the finisher thread); after a store that failed while being issued it
-is not given back (copies issued before the failure may still write it: that room stays lost
-until the engine restarts, and later stores skip what does not fit).  Thread-safe.
+when the store finished (the finisher thread); after a store that failed while being issued,
+once the device has finished the copies issued before the failure.  Thread-safe.
 """
 
 from __future__ import annotations
