@@ -4,13 +4,15 @@
 #   bash compat/gpulane/bench.sh xfer   transfers, vLLM's swap_blocks side by side (gpu-xfer.json)
 #   bash compat/gpulane/bench.sh ttft   cold vs warm TTFT, vLLM's OffloadingConnector side by side (gpu-ttft.json)
 #   bash compat/gpulane/bench.sh serving  throughput of 32 concurrent streams, 0% and 80% reuse (gpu-serving.json)
+# Arguments after the first go to the benchmark (e.g. ttft --modes vllm-apc,kvplugin,kvplugin-hash8).
 set -uo pipefail
 what="${1:-xfer}"
+shift || true
 source "$(dirname "$0")/env.sh"
 case "$what" in
-    xfer) python3 benchmarks/gpu_xfer.py --no-sweep --out "$O/gpu-xfer.json" 2>&1 | tee "$O/bench.log" | tail -60 ;;
-    ttft) python3 benchmarks/gpu_ttft.py --out "$O/gpu-ttft.json" 2>&1 | tee "$O/ttft.log" | tail -40 ;;
-    serving) python3 benchmarks/gpu_serving.py --out "$O/gpu-serving.json" 2>&1 | tee "$O/serving.log" | tail -20 ;;
+    xfer) python3 benchmarks/gpu_xfer.py --no-sweep --out "$O/gpu-xfer.json" "$@" 2>&1 | tee "$O/bench.log" | tail -60 ;;
+    ttft) python3 benchmarks/gpu_ttft.py --out "$O/gpu-ttft.json" "$@" 2>&1 | tee "$O/ttft.log" | tail -40 ;;
+    serving) python3 benchmarks/gpu_serving.py --out "$O/gpu-serving.json" "$@" 2>&1 | tee "$O/serving.log" | tail -20 ;;
     *) echo "usage: bench.sh xfer|ttft|serving"; exit 2 ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"
