@@ -157,7 +157,7 @@ def main() -> int:
         for res in results:  # where the warm request's time went, per stage (seconds)
             r = next(x for x in res["rows"] if x["prompt_tokens"] == row["prompt_tokens"])
             if r.get("warm_stages"):
-                row[f"{res['mode']}_warm_stages"] = {k: v["s"] if isinstance(v, dict) else v
+                row[f"{res['mode']}_warm_stages"] = {k: v.get("s", v) if isinstance(v, dict) else v
                                                      for k, v in r["warm_stages"].items() if k != "timeline"}
     doc = {
         "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"), **environment(),

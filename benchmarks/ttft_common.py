@@ -45,11 +45,17 @@ def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, prime
         return time.perf_counter() - t0, o
 
     def timed(p):
-        """``once``, with the stages it went through (None without timers)."""
+        """``once``, with the stages it went through (None without timers) and the cgroup's CPU
+        throttling during it."""
         if timers:
             timers.reset()
+        before = cpu_throttling()
         t, o = once(p)
-        return t, o, timers.collect() if timers else None
+        stages = timers.collect() if timers else None
+        if stages is not None and before:
+            after = cpu_throttling()
+            stages["cpu_throttled"] = {k: after[k] - before[k] for k in before if k in after}
+        return t, o, stages
 
     # warm-up, decoding a few tokens as every served request does: vLLM's first one-token step
     # after start-up has first-use costs of its own (every mode, hit or not), which are not a
@@ -187,6 +193,29 @@ def built_gpu_model(script: str) -> str:
     return built.stdout.split("MODEL ", 1)[1].strip()
 
 
+def cpu_throttling() -> dict[str, int]:
+    """The cgroup's CPU-quota throttling counters so far (``nr_throttled``, ``throttled_usec``;
+    empty where there is no such file): a quota spent by a burst of host threads stalls every
+    thread of the container until the next period."""
+    for path, keys in (("/sys/fs/cgroup/cpu.stat", ("nr_throttled", "throttled_usec")),
+                       ("/sys/fs/cgroup/cpu/cpu.stat", ("nr_throttled", "throttled_time"))):
+        try:
+            with open(path) as f:
+                fields = dict(line.split() for line in f if line.strip())
+        except OSError:
+            continue
+        return {k: int(fields[k]) for k in keys if k in fields}
+    return {}
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def environment() -> dict:
     """``machine`` and ``versions`` of a result document."""
     import torch
@@ -198,6 +227,12 @@ def environment() -> dict:
     props = torch.cuda.get_device_properties(0) if gpu else None
     return {"machine": {"gpu": torch.cuda.get_device_name(0) if gpu else None,
                         "gpu_memory_GiB": round(props.total_memory / 2**30, 1) if props else None,
-                        "cores": os.cpu_count(), "python": platform.python_version()},
+                        "cores": os.cpu_count(), "python": platform.python_version(),
+                        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                        "cgroup_cpu_max": _read("/sys/fs/cgroup/cpu.max"),
+                        "cpufreq_governor": _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
+                        "cpu_model": next((line.split(":", 1)[1].strip() for line in
+                                           (_read("/proc/cpuinfo") or "").splitlines()
+                                           if line.startswith("model name")), None)},
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
                          "vllm_kvplugin": __version__}}
