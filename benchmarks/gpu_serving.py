@@ -1,27 +1,30 @@
 """Throughput under a serving load on a GPU: many concurrent requests, 0% and 80% prefix reuse.
 
 Run on the H200 with vLLM's GPU wheel (``bash compat/gpulane/bench.sh serving``).  The model is
-``gpu_ttft``'s (Qwen3-8B's KV shape, random weights).  Modes, each in its own engine process
-(in-process engine core, eager), the same prompts in the same order:
+``gpu_ttft``'s (Qwen3-8B's KV shape, random weights).  Modes, each an engine in its own process
+(in-process engine core, eager), the same prompts:
 
 * ``baseline`` - no connector;
 * ``kvplugin`` - KVPluginConnector, in-process tier;
 * ``kvplugin-server`` - KVPluginConnector through a ``vllm-kvplugin server`` process;
-* ``vllm-offloading`` - vLLM's own ``OffloadingConnector``.
+* ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (not in the default set: a fourth
+  engine and its pinned memory are more than the H200 machine holds beside the others).
 
-Per mode: one unmeasured batch (first-use costs), then ``--repeats`` times (fresh prompts each
-time; the median is reported, every batch is kept):
+Side by side (``side_by_side.py``): every mode's engine is started first and runs one unmeasured
+batch (first-use costs); then ``--rounds`` rounds, each with fresh prompts and the modes in a
+rotated order, ask every engine for:
 
 * ``reuse_0``:  ``--streams`` prompts of ``--prompt-tokens`` unique tokens, submitted together
   (one ``generate`` call: vLLM batches them), ``--max-tokens`` greedy tokens each.  Every chunk
   is new, so a connector can only cost here (lookups that miss, stores);
 * ``reuse_80``: vLLM's GPU prefix cache reset, then prompts whose first 80% (rounded down to a
-  whole chunk) are those of ``reuse_0`` and whose rest is new: the shared part can only come from
-  a connector.
+  whole chunk) are those of the round's ``reuse_0`` and whose rest is new: the shared part can
+  only come from a connector.
 
-Throughput = (prompt + generated tokens) / wall seconds of the batch (one batch moved by up to
-15% between runs on the H200: hence the repeats).  The results are JSON with
-the machine and versions, and each mode's throughput over the baseline's.
+Throughput = (prompt + generated tokens) / wall seconds of the batch.  A mode's ratio to the
+baseline is taken per round (batches seconds apart) and the median over rounds is reported,
+with every round's; each batch also records the engine process's CPU seconds (and the cache
+server's, for the server mode).  Results: JSON with the machine and versions.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -38,9 +42,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, transfer_config  # noqa: E402
-from ttft_common import built_gpu_model, environment, run_modes_with_server, tokens  # noqa: E402
+from side_by_side import serve, start_all  # noqa: E402
+from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
 
-MODES = "baseline,kvplugin,kvplugin-server,vllm-offloading"
+MODES = "baseline,kvplugin,kvplugin-server"
+CASES = ("reuse_0", "reuse_80")
+GPU_STAGING_BYTES = 8 << 30  # several engines share the GPU: the plugin's default is a quarter of it
 
 
 def _batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -56,40 +63,132 @@ def _batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             "outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def run_mode(mode: str, model: str, streams: int, prompt_tokens: int, max_tokens: int, chunk: int,
-             block: int, server: str | None, host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES,
-             repeats: int = 3) -> dict:
-    """One engine, the warm-up batch and the two measured batches; runs in a child process."""
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def prompts_of(case: str, rnd: int, streams: int, prompt_tokens: int, chunk: int) -> list[list[int]]:
+    """The prompts of one batch: the same in every mode; fresh in every round."""
+    first = [tokens(prompt_tokens, 1000 * (rnd + 1) + i) for i in range(streams)]
+    if case == "reuse_0":
+        return first
+    shared = (prompt_tokens * 8 // 10) // chunk * chunk
+    return [p[:shared] + tokens(prompt_tokens - shared, 500_000 + 1000 * rnd + i) for i, p in enumerate(first)]
+
+
+def run_resident(mode: str, args) -> None:
+    """Child: one engine, its first-use batch, then a batch per command (``CASE ROUND``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM
 
     import vllm_kvplugin
 
-    ktc = transfer_config(mode, chunk, host_bytes, server)
-    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=prompt_tokens + max_tokens + 16,
-              enforce_eager=True, kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5,
-              block_size=block, kv_transfer_config=ktc, seed=0)
-    shared = (prompt_tokens * 8 // 10) // chunk * chunk
-    _batch(llm, [tokens(prompt_tokens, 900_000 + i) for i in range(streams)], max_tokens)  # first use
-    runs: dict[str, list[dict]] = {"reuse_0": [], "reuse_80": []}
-    for r in range(repeats):  # fresh prompts each repeat: every chunk of reuse_0 is new
-        first = [tokens(prompt_tokens, 1000 * (r + 1) + i) for i in range(streams)]
-        second = [p[:shared] + tokens(prompt_tokens - shared, 500_000 + 1000 * r + i) for i, p in enumerate(first)]
-        llm.reset_prefix_cache()
-        runs["reuse_0"].append(_batch(llm, first, max_tokens))
-        time.sleep(0.5)  # asynchronous stores (vLLM's offloading) finish
-        llm.reset_prefix_cache()
-        runs["reuse_80"].append(_batch(llm, second, max_tokens))
-    rows = {}
-    for case, got in runs.items():
-        tps = [g["tokens_per_s"] for g in got]
-        rows[case] = {"tokens_per_s": round(statistics.median(tps), 1), "tokens_per_s_each": tps,
-                      "wall_s_each": [g["wall_s"] for g in got], "cached_tokens": got[-1]["cached_tokens"],
-                      "outputs": got[0]["outputs"]}
-    rows["reuse_80"]["shared_tokens_per_prompt"] = shared
-    stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
-    return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
+    ktc = transfer_config(mode, args.chunk, args.host_bytes, args.server)
+    if ktc is not None and mode.startswith("kvplugin"):
+        ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
+    llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=args.prompt_tokens + args.max_tokens + 16,
+              enforce_eager=True, kv_cache_memory_bytes=args.kv_bytes, gpu_memory_utilization=args.gpu_util,
+              block_size=args.block, kv_transfer_config=ktc, seed=0)
+    _batch(llm, [tokens(args.prompt_tokens, 900_000 + i) for i in range(args.streams)], args.max_tokens)
+
+    def handle(command: str) -> dict:
+        if command == "stats":
+            return {"kvplugin_stats": vllm_kvplugin.stats() if mode.startswith("kvplugin") else None}
+        case, rnd = command.split()
+        llm.reset_prefix_cache()  # a reuse_80 hit can only come from the connector
+        c0 = _cpu_s()
+        out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk), args.max_tokens)
+        out["cpu_s"] = round(_cpu_s() - c0, 3)
+        return out
+
+    serve(handle)
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """user + system seconds of a process so far (Linux ``/proc``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial: Path | None) -> dict:
+    """Every mode's engine started, then ``args.rounds`` rounds of both cases, modes rotated."""
+    server = address = None
+    if "kvplugin-server" in modes:
+        server, address = start_server(args.host_bytes)
+
+    def args_for(mode: str) -> list[str]:
+        a = ["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
+             "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
+             "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
+             "--gpu-util", str(args.gpu_util), "--gpu-staging-bytes", str(args.gpu_staging_bytes)]
+        return a + (["--server", address] if mode == "kvplugin-server" else [])
+
+    batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in CASES} for m in modes}
+    t0 = time.time()
+    engines = start_all(__file__, modes, args_for, log_dir)
+    started_s = round(time.time() - t0, 1)
+    print(f"{len(modes)} engines ready in {started_s} s", file=sys.stderr, flush=True)
+    try:
+        for rnd in range(args.rounds):
+            order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+            for case in CASES:
+                for mode in order:
+                    s0 = _proc_cpu_s(server.pid) if server is not None and mode == "kvplugin-server" else None
+                    b = engines[mode].ask(f"{case} {rnd}")
+                    if s0 is not None:
+                        b["server_cpu_s"] = round(_proc_cpu_s(server.pid) - s0, 3)
+                    batches[mode][case].append(b)
+            print(f"round {rnd}: " + ", ".join(f"{m} {batches[m]['reuse_0'][-1]['tokens_per_s']:.0f}/"
+                                               f"{batches[m]['reuse_80'][-1]['tokens_per_s']:.0f}" for m in modes),
+                  file=sys.stderr, flush=True)
+            if partial:
+                partial.write_text(json.dumps({"partial": True, "batches": _without_outputs(batches)}))
+        stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.close()
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+    return {"engines_started_s": started_s, "batches": batches, "kvplugin_stats": stats}
+
+
+def _without_outputs(batches: dict) -> dict:
+    return {m: {c: [{k: v for k, v in b.items() if k != "outputs"} for b in bs] for c, bs in cases.items()}
+            for m, cases in batches.items()}
+
+
+def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
+    """Per case: each mode's median throughput, its per-round ratios to the baseline and their
+    median, the engine's CPU seconds per batch, whether its outputs equal the baseline's."""
+    base = batches.get("baseline")
+    summary = []
+    for case in CASES:
+        row: dict = {"case": case}
+        for mode, cases in batches.items():
+            bs = cases[case]
+            row[f"{mode}_tokens_per_s"] = round(statistics.median(b["tokens_per_s"] for b in bs), 1)
+            row[f"{mode}_cached_tokens"] = bs[-1]["cached_tokens"]
+            row[f"{mode}_cpu_s_per_batch"] = round(statistics.median(b["cpu_s"] for b in bs), 2)
+            if any("server_cpu_s" in b for b in bs):
+                row[f"{mode}_server_cpu_s_per_batch"] = round(statistics.median(b["server_cpu_s"] for b in bs), 2)
+            if base is not None and mode != "baseline":
+                ratios = [b["tokens_per_s"] / r["tokens_per_s"] for b, r in zip(bs, base[case])]
+                row[f"{mode}_over_baseline"] = round(statistics.median(ratios), 3)
+                row[f"{mode}_over_baseline_each_round"] = [round(x, 3) for x in ratios]
+                row[f"{mode}_outputs_match_baseline"] = all(
+                    b["outputs"] == r["outputs"] for b, r in zip(bs, base[case]))
+        if "kvplugin" in batches and "kvplugin-server" in batches:
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"]
+                      for a, b in zip(batches["kvplugin-server"][case], batches["kvplugin"][case])]
+            row["server_over_inprocess"] = round(statistics.median(ratios), 3)
+        summary.append(row)
+    return summary
 
 
 def main() -> int:
@@ -102,56 +201,38 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu-serving-h200.json"))
     ap.add_argument("--child", default=None)
+    ap.add_argument("--resident", action="store_true")
     ap.add_argument("--model", default=None)
     ap.add_argument("--server", default=None)
     ap.add_argument("--host-bytes", type=int, default=HOST_BYTES)
     ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
-    ap.add_argument("--repeats", type=int, default=3, help="batches per case (the median is reported)")
+    ap.add_argument("--gpu-util", type=float, default=0.1,
+                    help="vLLM's gpu_memory_utilization: with kv_cache_memory_bytes set, only its start-up "
+                         "check of free memory, which the engines started beside each other must pass")
+    ap.add_argument("--gpu-staging-bytes", type=int, default=GPU_STAGING_BYTES)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of both cases (ratios per round, their median)")
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_mode(args.child, args.model, args.streams, args.prompt_tokens,
-                                                 args.max_tokens, args.chunk, args.block, args.server,
-                                                 args.host_bytes, args.kv_bytes, args.repeats)))
+        run_resident(args.child, args)
         return 0
-    model = args.model
-    if model is None:
-        model = built_gpu_model(str(HERE / "gpu_ttft.py"))
-
-    def child_args(mode: str) -> list[str]:
-        return ["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
-                "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
-                "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes), "--repeats", str(args.repeats)]
-
-    results, errors = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=True,
-                                            l1_bytes=args.host_bytes, partial=args.out + ".partial")
-    by_mode = {r["mode"]: r["rows"] for r in results}
-    base = by_mode.get("baseline")
-    summary = []
-    for case in ("reuse_0", "reuse_80"):
-        row: dict = {"case": case}
-        for mode, rows in by_mode.items():
-            r = rows[case]
-            row[f"{mode}_tokens_per_s"] = r["tokens_per_s"]
-            row[f"{mode}_cached_tokens"] = r["cached_tokens"]
-            if base is not None:
-                row[f"{mode}_over_baseline"] = round(r["tokens_per_s"] / base[case]["tokens_per_s"], 3)
-                row[f"{mode}_outputs_match_baseline"] = r["outputs"] == base[case]["outputs"]
-        summary.append(row)
-    for rows in by_mode.values():
-        for r in rows.values():
-            r.pop("outputs", None)
+    model = args.model or built_gpu_model(str(HERE / "gpu_ttft.py"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(str(out) + ".partial")
+    res = run_side_by_side(args, args.modes.split(","), model, out.parent / "serving-logs", partial)
+    summary = summarize(res["batches"])
     doc = {
-        "benchmark": "gpu_serving", "date": time.strftime("%Y-%m-%d"), **environment(),
-        "model": SPEC, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
-        "max_tokens": args.max_tokens, "block_size": args.block, "chunk_size": args.chunk, "repeats": args.repeats,
-        "summary": summary, "modes": results, "errors": errors,
+        "benchmark": "gpu_serving", "method": "side_by_side", "date": time.strftime("%Y-%m-%d"), **environment(),
+        "model": SPEC if args.model is None else args.model, "streams": args.streams,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
+        "chunk_size": args.chunk, "rounds": args.rounds, "engines_started_s": res["engines_started_s"],
+        "summary": summary, "batches": _without_outputs(res["batches"]), "kvplugin_stats": res["kvplugin_stats"],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    Path(args.out + ".partial").unlink(missing_ok=True)  # the whole run is in args.out
+    out.write_text(json.dumps(doc, indent=1))
+    partial.unlink(missing_ok=True)  # the whole run is in out
     for row in summary:
-        print(" | ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("match_baseline")))
-    return 0 if not errors else 1
+        print(" | ".join(f"{k}={v}" for k, v in row.items() if not k.endswith(("match_baseline", "each_round"))))
+    return 0
 
 
 if __name__ == "__main__":
