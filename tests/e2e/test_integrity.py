@@ -12,6 +12,7 @@ its first failure; and a reset makes everything stored before unloadable.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,76 @@ def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, t
             assert s["server_store_errors"] == 0
         finally:
             shutdown(llm)
+
+
+@pytest.mark.parametrize("fault", ["intact", "checksum"])
+def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fault):
+    """A hit's payload hashes run on the hashing threads and the step that started them does
+    not wait: its verdict reaches the scheduler with the metadata of a later step, and until
+    then vLLM holds the hit back and runs its other requests.  Forced here (the fetch's hashes
+    on threads of their own, held until a new prompt sent along with the repeat has had
+    several steps with tokens): the repeat of P must get its verdict only after those steps,
+    then hit in full (intact) or only up to the chunk whose byte was flipped (counted as
+    ``checksum``, the object dropped); both outputs right on poisoned KV, and P again after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_kvplugin.chunk.checksums import StartedChecksums
+    from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.connector import worker as wmod
+
+    q = prompt(3 * CHUNK + 5, seed=41)
+    want_p, want_q = _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)
+    events: list[tuple[str, int]] = []  # ("meta", tokens scheduled) / ("fetch", 0) / ("verdict", good)
+    gate, pool = threading.Event(), ThreadPoolExecutor(2)
+
+    def held(p):
+        assert gate.wait(60), "the hashes were never released: no step ran after the fetch"
+        return payload_checksum(p)
+    monkeypatch.setattr(wmod, "start_payload_checksums",
+                        lambda ps: StartedChecksums(ps, [pool.submit(held, p) for p in ps]))
+    build, update = smod.SchedulerSide.build_connector_meta, smod.SchedulerSide.update_connector_output
+
+    def build_meta(self, so):
+        meta = build(self, so)
+        events.append(("fetch", 0) if meta.fetches else ("meta", so.total_num_scheduled_tokens))
+        since = events[next((i for i, e in enumerate(events) if e[0] == "fetch"), len(events)):]
+        if sum(1 for kind, n in since if kind == "meta" and n > 0) >= 6:
+            gate.set()  # the new prompt has run six steps since the fetch
+        return meta
+
+    def update_output(self, output):
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        for _, good in getattr(meta, "fetched", {}).values():
+            events.append(("verdict", good))
+        return update(self, output)
+    monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta", build_meta)
+    monkeypatch.setattr(smod.SchedulerSide, "update_connector_output", update_output)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want_p
+            if fault == "checksum":
+                _local_flip(probe, P)[0]()
+            probe.poison_all_blocks()
+            events.clear()
+            warm, other = generate(llm, [P, q])
+            fetch = events.index(("fetch", 0))
+            verdict = next(i for i, e in enumerate(events) if e[0] == "verdict")
+            ran = [n for kind, n in events[fetch:verdict] if kind == "meta" and n > 0]
+            assert len(ran) >= 6, events  # steps with tokens between the fetch and its verdict
+            hit = 8 if fault == "intact" else BAD
+            assert events[verdict] == ("verdict", hit)
+            assert warm.token_ids == want_p and warm.num_cached_tokens == hit * CHUNK
+            assert other.token_ids == want_q and other.num_cached_tokens == 0
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == ({} if fault == "intact" else {"checksum": 1})
+            assert s["dropped_objects"] == (0 if fault == "intact" else 1)
+            probe.poison_all_blocks(seed=1)
+            again = generate(llm, [P])[0]  # chunk BAD was stored again by the recompute
+            assert again.token_ids == want_p and again.num_cached_tokens == 8 * CHUNK
+        finally:
+            gate.set()
+            shutdown(llm)
+            pool.shutdown()

@@ -85,17 +85,20 @@ def test_started_checksums_run_while_the_caller_works(monkeypatch):
     monkeypatch.setattr(checksums, "payload_checksum", gated)
     ps = _payloads(12, 1 << 20)
     want = [payload_checksum(p) for p in ps]
-    wait = checksums.start_payload_checksums(ps)
+    started_sums = checksums.start_payload_checksums(ps)
     assert started.acquire(timeout=10)  # hashing already, before anybody waits
+    assert not started_sums.done()
     go.set()
-    assert wait() == want
+    assert started_sums.result() == want
+    assert started_sums.done()
 
 
 def test_started_checksums_of_small_inputs_wait_on_the_calling_thread(monkeypatch):
     seen = []
     monkeypatch.setattr(checksums, "payload_checksum", lambda p: seen.append(threading.get_ident()) or payload_checksum(p))
     ps = _payloads(3, 1 << 10)
-    wait = checksums.start_payload_checksums(ps)
+    started_sums = checksums.start_payload_checksums(ps)
+    assert started_sums.done()  # nothing to wait for: hashed when asked
     assert seen == []
-    assert wait() == [payload_checksum(p) for p in ps]
+    assert started_sums.result() == [payload_checksum(p) for p in ps]
     assert set(seen) == {threading.get_ident()}

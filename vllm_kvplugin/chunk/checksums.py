@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -40,18 +40,35 @@ def _executor() -> ThreadPoolExecutor:
 
 def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
     """``payload_checksum`` of each payload; several threads when they are large and many."""
-    return start_payload_checksums(payloads)()
+    return start_payload_checksums(payloads).result()
 
 
-def start_payload_checksums(payloads: Sequence[memoryview]) -> Callable[[], list[int]]:
-    """:func:`payload_checksums`, started on the hashing threads now; the returned function
-    waits for them and returns the checksums in order.  The caller works meanwhile and must not
-    change the payloads before it has called it.  Small inputs are hashed when it is called, on
-    the calling thread."""
+class StartedChecksums:
+    """The checksums of payloads, started by :func:`start_payload_checksums`."""
+
+    def __init__(self, payloads: Sequence[memoryview], futures: list[Future] | None):
+        self._payloads = payloads
+        self._futures = futures
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without waiting for the hashing threads (inputs
+        too small for them are hashed by ``result`` itself, on the calling thread)."""
+        return self._futures is None or all(f.done() for f in self._futures)
+
+    def result(self) -> list[int]:
+        """The checksums, in the payloads' order (waits for the hashing threads)."""
+        if self._futures is None:
+            return [payload_checksum(p) for p in self._payloads]
+        return [f.result() for f in self._futures]
+
+
+def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:
+    """:func:`payload_checksums`, started on the hashing threads now.  The caller works
+    meanwhile and must not change the payloads before the result is in.  Small inputs are
+    hashed when the result is asked for, on the asking thread."""
     if len(payloads) < 2 or sum(p.nbytes for p in payloads) < PARALLEL_MIN_BYTES:
-        return lambda: [payload_checksum(p) for p in payloads]
-    futures = [_executor().submit(payload_checksum, p) for p in payloads]
-    return lambda: [f.result() for f in futures]
+        return StartedChecksums(payloads, None)
+    return StartedChecksums(payloads, [_executor().submit(payload_checksum, p) for p in payloads])
 
 
 def _hash_then_copy(pair: tuple[memoryview, memoryview]) -> int:

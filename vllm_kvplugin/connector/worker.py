@@ -6,10 +6,12 @@ hit does; after it otherwise) -> forward -> ``store`` (from ``wait_for_save``)
 -> ``take_invalid_blocks`` / ``take_meta``.
 
 ``start_load`` first *fetches*: it reads the objects of every hit the scheduler
-is holding back, checks header, size and checksum, and keeps views of the
-verified bytes (they stay put: pinned in the local tier, leased on the server;
-a restarted server's old pool stays mapped); then it *loads* claimed hits from
-those verified views only.  A load can thus only fail on a copy error: its
+is holding back, checks header and size and starts their checksums; the verdict
+goes to the scheduler with the metadata of the step in which the hashes are in
+(``take_meta``: no step waits for them), and views of the verified bytes are kept
+(they stay put: pinned in the local tier, leased on the server; a restarted
+server's old pool stays mapped).  Then it *loads* claimed hits from those
+verified views only.  A load can thus only fail on a copy error: its
 blocks are then reported to vLLM (by default vLLM ends the request with an error
 and drops the blocks from its prefix cache: ``load_failure_policy``), and every
 store of the step and of later metadata up to the scheduler's next epoch is
@@ -25,6 +27,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.checksums import (
     PARALLEL_MIN_BYTES,
+    StartedChecksums,
     hash_then_copy,
     payload_checksums,
     start_payload_checksums,
@@ -95,6 +99,19 @@ def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: in
     return slots
 
 
+@dataclass
+class _Verifying:
+    """A fetch whose payload hashes may still be running (``WorkerSide._settle`` ends it):
+    ``errors`` per job so far, ``checked`` job -> (header checksum, payload tensor) of the
+    objects whose headers passed, ``order`` the jobs hashed by ``sums`` (None: not verified)."""
+
+    req: FetchRequest
+    errors: list
+    checked: dict[int, tuple[int, torch.Tensor]]
+    order: list[int]
+    sums: StartedChecksums | None
+
+
 #: the worker half registered last in this process (``vllm-kvplugin verify`` reads it)
 _REGISTERED: weakref.ref | None = None
 
@@ -130,6 +147,7 @@ class WorkerSide:
         self._private: HostBuffers | None = None  # where server objects are gathered and hashed
         self._staged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # verified objects per request
         self._prefetched: dict[str, dict[int, tuple[Any, dict[int, int]]]] = {}  # per group, on the device
+        self._verifying: dict[str, _Verifying] = {}  # fetches whose verdict is still due
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
 
     # ------------------------------------------------------------- registration
@@ -234,11 +252,9 @@ class WorkerSide:
             self._load(req, meta.epoch)
 
     def _fetch(self, req: FetchRequest) -> None:
-        """Read and verify every object of a held-back hit; keep views of the verified ones.
-
-        Reports how many leading objects passed.  Every object that fails is dropped from
-        its tier at once (all of them, not only the first: each would fail a later hit);
-        the failure counts once, by the first one's reason."""
+        """Read every object of a held-back hit, send it toward the device and start verifying
+        it; the verdict is given by :meth:`_settle` once the hashes are in (the step does not
+        wait for them: the engine goes on with its other requests meanwhile)."""
         jobs = req.jobs
         errors: list[ChunkError | TierTrouble | None] = [None] * len(jobs)
         views: list[tuple[bytes, torch.Tensor] | None] = [None] * len(jobs)
@@ -257,29 +273,40 @@ class WorkerSide:
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
         # the host hashes them while the link moves them and the headers are checked (unverified
-        # bytes go into staging only; a load scatters verified objects alone); the hashes first:
-        # the verdict ends this step, and the copies have time to spare in the next
-        order = list(found)  # every payload hashed (in parallel) before any byte is used
+        # bytes go into staging only; a load scatters verified objects alone)
+        order = list(found)
         sums = start_payload_checksums([found[n][1] for n in order]) if self.cfg.verify_checksums else None
-        prefetched = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
-        checked: dict[int, tuple[int, memoryview, torch.Tensor]] = {}
+        self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
+        checked: dict[int, tuple[int, torch.Tensor]] = {}
         for n, (header, data, tensor) in found.items():
             job = jobs[n]
             try:
                 expect = self._expect(job.group, job.key, job.position)
-                checked[n] = (check_chunk(header, data, expect, verify_checksum=False).checksum, data, tensor)
+                checked[n] = (check_chunk(header, data, expect, verify_checksum=False).checksum, tensor)
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
-        if sums is not None:
-            for n, got in zip(order, sums()):
-                if n in checked and got != checked[n][0]:
-                    errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
-        good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
-        self._staged[req.req_id] = {(j.position, j.group): checked[n][2] for n, j in enumerate(jobs[:good])}
-        self._prefetched[req.req_id] = prefetched
-        self._meta.fetched[req.req_id] = (1, good)
-        if good < len(jobs):
-            self._failed_fetch(req, errors)
+        self._verifying[req.req_id] = _Verifying(req, errors, checked, order, sums)
+        self._settle()
+
+    def _settle(self) -> None:
+        """The verdict of every fetch whose hashes are in: how many leading objects passed (to
+        the scheduler with this step's metadata); views of those are kept for the load.  Every
+        object that failed is dropped from its tier at once (each would fail a later hit); the
+        failure counts once, by the first one's reason."""
+        for rid, v in list(self._verifying.items()):
+            if v.sums is not None and not v.sums.done():
+                continue
+            del self._verifying[rid]
+            errors, jobs = v.errors, v.req.jobs
+            if v.sums is not None:
+                for n, got in zip(v.order, v.sums.result()):
+                    if n in v.checked and got != v.checked[n][0]:
+                        errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
+            good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
+            self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
+            self._meta.fetched[rid] = (1, good)
+            if good < len(jobs):
+                self._failed_fetch(v.req, errors)
 
     def _object(self, job, view) -> tuple[bytes, memoryview, torch.Tensor]:
         """An object's header bytes, payload bytes and payload tensor (``[1, *shape]``), from
@@ -313,7 +340,9 @@ class WorkerSide:
         return out
 
     def _forget(self, req_id: str) -> None:
-        """A fetch that will not load (or just did): its views and device staging go."""
+        """A fetch that will not load (or just did): its views and device staging go, and a
+        verdict still due is never given (hashes still running are left to finish unread)."""
+        self._verifying.pop(req_id, None)
         self._staged.pop(req_id, None)
         for pre, _ in self._prefetched.pop(req_id, {}).values():
             self.engine.release(pre)
@@ -560,6 +589,8 @@ class WorkerSide:
         return out
 
     def take_meta(self) -> KVPluginWorkerMeta | None:
+        """Every step, after it: what finished since the last one (verdicts, stores, loads)."""
+        self._settle()
         self.finisher.take(self._meta)
         if self._meta.is_empty():
             return None
