@@ -20,8 +20,16 @@ Prefix caching is on in every mode, and vLLM's GPU prefix cache is reset before 
 measured request (but in ``vllm-apc``), so a warm request's hit can only come from the
 connector.  The first hit after start-up is measured apart (``first_hit_warm_s``).  Per prompt
 length: one unmeasured request of that length (kernel warm-up), the cold request, the same
-prompt warm, then 8 greedy tokens compared with the baseline's.  TTFT is the latency of a
-1-token generation.  Results: JSON with the machine and versions, and ratios.
+prompt warm (the median of 5), then 8 greedy tokens compared with the baseline's.  TTFT is the
+latency of a 1-token generation.
+
+Side by side (the default, ``side_by_side.py``): every mode's engine is started first, all in
+one GPU (``vllm-apc``'s cold request is the no-connector one), then in ``--rounds`` rounds with
+fresh prompts each length is measured in every mode in turn (the order rotated), so a length's
+modes ran seconds apart; the bars' ratios are taken per round and their median reported
+(``*_each_round``: every round's).  One engine's times moved by 10-30% between runs of the
+sequential method (``--sequential``: each mode's engine in turn, e.g. for more modes than fit
+beside each other).  Results: JSON with the machine and versions, and ratios.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,18 +45,24 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from side_by_side import serve, start_all  # noqa: E402
 from ttft_common import (  # noqa: E402
+    TTFTProbe,
     built_gpu_model,
     environment,
     measure,
     print_table,
     run_modes_with_server,
+    start_server,
     summarize,
 )
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
 HOST_BYTES = 24 << 30  # every prompt of the run fits: no eviction in any mode
 KV_BYTES = 16 << 30
+SIDE_BY_SIDE_HOST_BYTES = 16 << 30  # the longest prompt and its primer fit
+SEQUENTIAL_MODES = "baseline,vllm-apc,kvplugin,kvplugin-noverify,kvplugin-server,vllm-offloading"
+SIDE_BY_SIDE_MODES = "vllm-apc,kvplugin,kvplugin-server,vllm-offloading"
 
 
 def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
@@ -67,30 +82,69 @@ def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
     return None
 
 
-def run_mode(mode: str, model: str, lengths: list[int], block: int, chunk: int, server: str | None,
-             host_bytes: int = HOST_BYTES, kv_bytes: int = KV_BYTES) -> dict:
-    """One engine, all prompts; runs in a child process (``--child``)."""
+def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):
+    """A mode's engine and its stage timers (None without CUDA), in a child process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+    import torch
     from stage_timers import StageTimers
     from vllm import LLM
 
-    import vllm_kvplugin
-
-    timers = StageTimers().install()
+    timers = StageTimers().install() if torch.cuda.is_available() else None
     if mode == "kvplugin-hash8":
         from vllm_kvplugin.chunk import checksums
 
         checksums.MAX_THREADS = 8  # read when the hashing pool is made (at registration)
-    ktc = transfer_config(mode, chunk, host_bytes, server)
+    ktc = transfer_config(mode, args.chunk, args.host_bytes, server)
+    if ktc is not None and mode.startswith("kvplugin") and args.gpu_staging_bytes is not None:
+        ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
     max_len = max(lengths) + 64
-    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
-              kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5, block_size=block, kv_transfer_config=ktc, seed=0,
-              max_num_batched_tokens=max_len)
-    rows = measure(llm, lengths, reset_prefix_cache=mode != "vllm-apc", primer=True,
-                   settle_s=0.5, timers=timers)  # settle: asynchronous stores (vLLM's offloading) finish
+    kv_bytes = args.kv_bytes or (KV_BYTES if not side_by_side else _kv_bytes_for(max_len))
+    llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
+              kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_util, block_size=args.block,
+              kv_transfer_config=ktc, seed=0, max_num_batched_tokens=args.max_batched or max_len)
+    return llm, timers
+
+
+def _kv_bytes_for(tokens: int) -> int:
+    """KV cache room for one prompt of ``tokens`` tokens of SPEC's model and a fifth more, whole GiB."""
+    per_token = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
+    return -(-int(tokens * per_token * 1.2) // (1 << 30)) << 30
+
+
+def _probe(llm, mode: str, timers) -> TTFTProbe:
+    # settle: asynchronous stores (vLLM's offloading) finish before the warm request
+    return TTFTProbe(llm, reset_prefix_cache=mode != "vllm-apc", primer=True, settle_s=0.5, timers=timers)
+
+
+def run_mode(mode: str, args, lengths: list[int]) -> dict:
+    """One engine, all prompts, in a child process (``--child``, the sequential method)."""
+    import vllm_kvplugin
+
+    llm, timers = _engine(mode, args, lengths, args.server, side_by_side=False)
+    rows = measure(llm, lengths, reset_prefix_cache=mode != "vllm-apc", primer=True, settle_s=0.5, timers=timers)
     stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
     return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
+
+
+def run_resident(mode: str, args, lengths: list[int]) -> None:
+    """One engine in a child (``--child MODE --resident``): the warm-up and first hit, then one
+    length per command (``N SEED``), ``first`` and ``stats``."""
+    import vllm_kvplugin
+
+    llm, timers = _engine(mode, args, lengths, args.server, side_by_side=True)
+    probe = _probe(llm, mode, timers)
+    first_s, first_stages = probe.first_hit(lengths[0])
+
+    def handle(command: str) -> dict:
+        if command == "first":
+            return {"first_hit_warm_s": round(first_s, 4), "first_hit_stages": first_stages}
+        if command == "stats":
+            return {"kvplugin_stats": vllm_kvplugin.stats() if mode.startswith("kvplugin") else None}
+        n, seed = (int(x) for x in command.split())
+        return probe.length(n, seed)
+
+    serve(handle)
 
 
 def build_model() -> str:
@@ -103,53 +157,174 @@ def build_model() -> str:
         return str(tiny_model.build(tiny_model.TinySpec(**SPEC)))
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """A length's rows of every round as one: median cold and warm, the first round's stages."""
+    out = dict(rows[0])
+    for k in ("cold_s", "warm_s"):
+        out[k] = round(statistics.median(r[k] for r in rows), 4)
+    return out
+
+
+def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out: Path) -> tuple[list[dict], dict]:
+    """Every mode's engine alive at once; per round and length, each asked in turn (rotated)."""
+    proc = address = None
+    if "kvplugin-server" in modes:
+        proc, address = start_server(args.host_bytes)
+
+    def args_for(mode: str) -> list[str]:
+        a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
+             "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util),
+             "--max-batched", str(args.max_batched)]
+        for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes)):
+            if value is not None:
+                a += [flag, str(value)]
+        return a + (["--server", address] if mode == "kvplugin-server" else [])
+
+    per: dict[str, list[dict]] = {m: [] for m in modes}
+    t0 = time.time()
+    engines = start_all(__file__, modes, args_for, out.parent / "ttft-logs")
+    print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    try:
+        firsts = {m: e.ask("first") for m, e in engines.items()}
+        for rnd in range(args.rounds):
+            for i, n in enumerate(lengths):
+                k = (rnd + i) % len(modes)
+                for m in modes[k:] + modes[:k]:
+                    row = engines[m].ask(f"{n} {n + rnd * 10**7}")  # a fresh prompt each round
+                    per[m].append({**row, "round": rnd})
+            print(f"round {rnd}: " + ", ".join(f"{m} {[r['warm_s'] for r in per[m] if r['round'] == rnd]}"
+                                               for m in modes), file=sys.stderr, flush=True)
+            Path(str(out) + ".partial").write_text(json.dumps({"partial": True, "rounds": per}))
+        stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    results = []
+    for m in modes:
+        rows = [_median_row([r for r in per[m] if r["prompt_tokens"] == n]) for n in lengths]
+        rows[0].update(firsts[m])
+        results.append({"mode": m, "rows": rows, "rounds": per[m], "kvplugin_stats": stats[m]})
+    return results, {}
+
+
+def per_round_ratios(results: list[dict], lengths: list[int], link_bytes_per_s: float) -> dict[int, dict]:
+    """Per length, the bars' ratios of each round (batches seconds apart) and their medians."""
+    by = {r["mode"]: r.get("rounds") for r in results}
+    ref = "baseline" if by.get("baseline") else "vllm-apc"
+    bpt = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
+    out: dict[int, dict] = {}
+    for n in lengths:
+        def col(mode, key, n=n):
+            rows = by.get(mode)
+            return [r[key] for r in rows if r["prompt_tokens"] == n] if rows else None
+        ratios = {}
+        kv_w, kv_c = col("kvplugin", "warm_s"), col("kvplugin", "cold_s")
+        pairs = {"kvplugin_cold_over_baseline_cold": (kv_c, col(ref, "cold_s"), None),
+                 "vllm_offloading_warm_over_kvplugin_warm": (col("vllm-offloading", "warm_s"), kv_w, None),
+                 "server_vs_inprocess_warm_ratio": (col("kvplugin-server", "warm_s"), kv_w, None)}
+        if kv_w and col("vllm-apc", "warm_s"):
+            hit = col("kvplugin", "warm_cached_tokens")[0]
+            pairs["kvplugin_warm_minus_apc_over_link"] = (kv_w, col("vllm-apc", "warm_s"), hit * bpt / link_bytes_per_s)
+        for name, (a, b, link) in pairs.items():
+            if not a or not b:
+                continue
+            each = [(x - y) / link if link else x / y for x, y in zip(a, b)]
+            ratios[name] = round(statistics.median(each), 3)
+            ratios[name + "_each_round"] = [round(x, 3) for x in each]
+        out[n] = ratios
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8193,16385,32769,65537")
-    ap.add_argument("--modes", default="baseline,vllm-apc,kvplugin,kvplugin-noverify,kvplugin-server,vllm-offloading")
+    ap.add_argument("--modes", default=None, help=f"default: {SIDE_BY_SIDE_MODES} (side by side), "
+                                                  f"{SEQUENTIAL_MODES} (--sequential)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="each mode's engine in turn, one after another (the method before side by side)")
+    ap.add_argument("--rounds", type=int, default=3, help="side by side: rounds of every length (fresh prompts)")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu-ttft-h200.json"))
     ap.add_argument("--child", default=None)
+    ap.add_argument("--resident", action="store_true")
     ap.add_argument("--model", default=None)
     ap.add_argument("--server", default=None)
     ap.add_argument("--build", action="store_true", help="build the model, print its path")
-    ap.add_argument("--host-bytes", type=int, default=HOST_BYTES)
-    ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
+    ap.add_argument("--host-bytes", type=int, default=None,
+                    help=f"host tier of each connector (default {HOST_BYTES >> 30} GiB, side by side "
+                         f"{SIDE_BY_SIDE_HOST_BYTES >> 30} GiB: three of them share the host)")
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help=f"vLLM's KV cache (default {KV_BYTES >> 30} GiB, side by side: the longest prompt's and a fifth)")
+    ap.add_argument("--gpu-util", type=float, default=None,
+                    help="vLLM's start-up check of free memory (default 0.5, side by side 0.1: the engines share the GPU)")
+    ap.add_argument("--gpu-staging-bytes", type=int, default=None,
+                    help="the plugin's gpu_staging_bytes (side by side default: 12 GiB, the longest hit whole)")
+    ap.add_argument("--max-batched", type=int, default=None,
+                    help="max_num_batched_tokens (default the longest prompt; side by side 16384: activations of "
+                         "four engines fit beside each other)")
     args = ap.parse_args()
+    side = not args.sequential and not (args.child and not args.resident)
+    if args.host_bytes is None:
+        args.host_bytes = SIDE_BY_SIDE_HOST_BYTES if side else HOST_BYTES
+    if args.gpu_util is None:
+        args.gpu_util = 0.1 if side else 0.5
+    if side and args.gpu_staging_bytes is None:
+        args.gpu_staging_bytes = 12 << 30
+    if side and args.max_batched is None:
+        args.max_batched = 16384
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.child:
-        print("RESULT " + json.dumps(run_mode(args.child, args.model, lengths, args.block, args.chunk, args.server,
-                                                 args.host_bytes, args.kv_bytes)))
+        if args.resident:
+            run_resident(args.child, args, lengths)
+        else:
+            print("RESULT " + json.dumps(run_mode(args.child, args, lengths)))
         return 0
     if args.build:
         print("MODEL " + build_model())
         return 0
 
     t_build = time.time()  # in a child: this process keeps no CUDA memory the engines need
-    model = args.model
-    if model is None:
+    model, built = args.model, args.model is None
+    if built:
         model = built_gpu_model(__file__)
     print(f"model built in {time.time() - t_build:.0f} s: {model}", file=sys.stderr, flush=True)
+    modes = (args.modes or (SIDE_BY_SIDE_MODES if side else SEQUENTIAL_MODES)).split(",")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if side:
+        args.model = model
+        results, errors = run_side_by_side(args, modes, lengths, model, out)
+    else:
+        def child_args(mode: str) -> list[str]:
+            a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
+                 "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util), "--sequential"]
+            for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes),
+                                ("--max-batched", args.max_batched)):
+                if value is not None:
+                    a += [flag, str(value)]
+            return a
 
-    def child_args(mode: str) -> list[str]:
-        return ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
-                "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes)]
-
-    results, errors = run_modes_with_server(__file__, args.modes.split(","), child_args, keep_going=True,
-                                            l1_bytes=args.host_bytes, partial=args.out + ".partial")
+        results, errors = run_modes_with_server(__file__, modes, child_args, keep_going=True,
+                                                l1_bytes=args.host_bytes, partial=str(out) + ".partial")
     summary = summarize(results, lengths,
                         {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
                          "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})
     link = 55.3e9  # the pinned-copy ceiling measured on the H200 (benchmarks/results/gpu-xfer-h200.json)
     bpt = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
+    ref = "baseline" if any(r["mode"] == "baseline" for r in results) else "vllm-apc"
+    rounds = per_round_ratios(results, lengths, link) if side else {}
     for row in summary:  # the bars: warm - (vLLM prefix-cache hit) <= 1.1 x link time; cold <= 1.03 x
-        if "kvplugin_cold_s" in row and "baseline_cold_s" in row:
-            row["kvplugin_cold_over_baseline_cold"] = round(row["kvplugin_cold_s"] / row["baseline_cold_s"], 3)
+        if "kvplugin_cold_s" in row and f"{ref}_cold_s" in row:
+            row["kvplugin_cold_over_baseline_cold"] = round(row["kvplugin_cold_s"] / row[f"{ref}_cold_s"], 3)
         if "kvplugin_warm_s" in row and "vllm-apc_warm_s" in row:
             link_s = row["kvplugin_warm_cached_tokens"] * bpt / link
             row["link_s"] = round(link_s, 4)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
+        row.update(rounds.get(row["prompt_tokens"], {}))  # side by side: medians of per-round ratios
         for res in results:  # the first hit after start-up against a later one (the bar: 1.0)
             if row.get(f"{res['mode']}_first_hit_warm_s") and row.get(f"{res['mode']}_warm_s"):
                 row[f"{res['mode']}_first_hit_over_warm"] = round(
@@ -160,15 +335,17 @@ def main() -> int:
                 row[f"{res['mode']}_warm_stages"] = {k: v.get("s", v) if isinstance(v, dict) else v
                                                      for k, v in r["warm_stages"].items() if k != "timeline"}
     doc = {
-        "benchmark": "gpu_ttft", "date": time.strftime("%Y-%m-%d"), **environment(),
-        "model": SPEC if args.model is None else args.model, "kv_bytes_per_token": SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2,
-        "block_size": args.block, "chunk_size": args.chunk, "host_bytes": args.host_bytes,
+        "benchmark": "gpu_ttft", "method": "side_by_side" if side else "sequential",
+        "date": time.strftime("%Y-%m-%d"), **environment(),
+        "model": SPEC if built else model,
+        "kv_bytes_per_token": bpt, "block_size": args.block, "chunk_size": args.chunk,
+        "host_bytes": args.host_bytes, "max_num_batched_tokens": args.max_batched, "rounds": args.rounds if side else 1,
         "summary": summary, "modes": results, "errors": errors,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    Path(args.out + ".partial").unlink(missing_ok=True)  # the whole run is in args.out
-    print_table(summary, ("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm"))
+    out.write_text(json.dumps(doc, indent=1))
+    Path(str(out) + ".partial").unlink(missing_ok=True)  # the whole run is in out
+    print_table(summary, ("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm", "_ratio", "_link",
+                          "_over_baseline_cold", "_over_kvplugin_warm"))
     return 0 if not errors else 1
 
 

@@ -25,70 +25,91 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
-            settle_s: float = 0.0, timers=None) -> list[dict]:
-    """In a child: per length, the cold TTFT of one prompt (a 1-token generate) and the median
-    of five warm ones, then 8 greedy tokens to compare with the baseline's.
+class TTFTProbe:
+    """In a child: the TTFT measurements of one engine.
 
     ``reset_prefix_cache``: vLLM's GPU prefix cache is emptied before each request (a hit
     can only come from the connector); ``primer``: one unmeasured request of that length on
     other tokens first (its kernels); ``settle_s``: a pause between cold and warm; ``timers``:
     a :class:`stage_timers.StageTimers` whose stages of the cold and warm requests are kept.
     """
-    from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    spx = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    def __init__(self, llm, reset_prefix_cache: bool = False, primer: bool = False, settle_s: float = 0.0,
+                 timers=None):
+        from vllm import SamplingParams
 
-    def once(p, params=sp):
-        if reset_prefix_cache:
-            llm.reset_prefix_cache()
+        self.llm, self.reset, self.primer, self.settle_s, self.timers = llm, reset_prefix_cache, primer, settle_s, timers
+        self.sp = SamplingParams(max_tokens=1, temperature=0.0)
+        self.spx = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def once(self, p, params=None):
+        if self.reset:
+            self.llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        o = self.llm.generate([{"prompt_token_ids": p}], params or self.sp, use_tqdm=False)[0]
         return time.perf_counter() - t0, o
 
-    def timed(p):
+    def timed(self, p):
         """``once``, with the stages it went through (None without timers) and the cgroup's CPU
         throttling during it."""
-        if timers:
-            timers.reset()
+        if self.timers:
+            self.timers.reset()
         before = cpu_throttling()
-        t, o = once(p)
-        stages = timers.collect() if timers else None
+        t, o = self.once(p)
+        stages = self.timers.collect() if self.timers else None
         if stages is not None and before:
             after = cpu_throttling()
             stages["cpu_throttled"] = {k: after[k] - before[k] for k in before if k in after}
         return t, o, stages
 
-    # warm-up, decoding a few tokens as every served request does: vLLM's first one-token step
-    # after start-up has first-use costs of its own (every mode, hit or not), which are not a
-    # first hit's
-    once(tokens(300, 0), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    # the first hit after start-up, measured apart (its first-use costs), before the measured ones
-    first = tokens(lengths[0], 7 * 10**6)
-    once(first)
-    time.sleep(settle_s)  # as before the measured ones: the first-use costs alone
-    first_hit_s, _, first_stages = timed(first)
+    def first_hit(self, n: int) -> tuple[float, dict | None]:
+        """The warm-up and the first hit after start-up (seconds, stages).
+
+        The warm-up decodes a few tokens, as every served request does: vLLM's first one-token
+        step after start-up has first-use costs of its own (every mode, hit or not), which are
+        not a first hit's.  The first hit is measured apart (its first-use costs), before the
+        measured ones."""
+        from vllm import SamplingParams
+
+        self.once(tokens(300, 0), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        first = tokens(n, 7 * 10**6)
+        self.once(first)
+        time.sleep(self.settle_s)  # as before the measured ones: the first-use costs alone
+        t, _, stages = self.timed(first)
+        return t, stages
+
+    def length(self, n: int, seed: int | None = None) -> dict:
+        """Cold TTFT of one prompt of ``n`` tokens (a 1-token generate), the median of five warm
+        ones, then 8 greedy tokens to compare with the baseline's.  ``seed``: the prompt's
+        (default ``n``; a fresh one per round when the same length is measured again)."""
+        seed = n if seed is None else seed
+        if self.primer:  # other tokens (Random(-n) would seed like Random(n))
+            self.once(tokens(n, 10**6 + seed))
+        p = tokens(n, seed)
+        cold, oc, cold_stages = self.timed(p)
+        time.sleep(self.settle_s)
+        warm, ow, warm_stages = self.timed(p)
+        warm = statistics.median([warm] + [self.once(p)[0] for _ in range(4)])  # 5 warm runs: their median
+        _, ox = self.once(p, self.spx)
+        stages = {"cold_stages": cold_stages, "warm_stages": warm_stages} if self.timers else {}
+        return {"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
+                "warm_cached_tokens": int(ow.num_cached_tokens or 0),
+                "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
+                "continuation": list(ox.outputs[0].token_ids), **stages}
+
+
+def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
+            settle_s: float = 0.0, timers=None) -> list[dict]:
+    """In a child: :class:`TTFTProbe`'s first hit (at the first length), then each length in turn."""
+    probe = TTFTProbe(llm, reset_prefix_cache, primer, settle_s, timers)
+    first_hit_s, first_stages = probe.first_hit(lengths[0])
     rows = []
     for n in lengths:
-        if primer:  # other tokens (Random(-n) would seed like Random(n))
-            once(tokens(n, 10**6 + n))
-        p = tokens(n, n)
-        cold, oc, cold_stages = timed(p)
-        time.sleep(settle_s)
-        warm, ow, warm_stages = timed(p)
-        warm = statistics.median([warm] + [once(p)[0] for _ in range(4)])  # 5 warm runs: their median
-        _, ox = once(p, spx)
-        stages = {}
-        if timers:
-            stages = {"cold_stages": cold_stages, "warm_stages": warm_stages}
-            if n == lengths[0]:
-                stages["first_hit_stages"] = first_stages
-        rows.append({"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
-                     "first_hit_warm_s": round(first_hit_s, 4) if n == lengths[0] else None,
-                     "warm_cached_tokens": int(ow.num_cached_tokens or 0),
-                     "first_token_match": oc.outputs[0].token_ids == ow.outputs[0].token_ids,
-                     "continuation": list(ox.outputs[0].token_ids), **stages})
+        row = probe.length(n)
+        row["first_hit_warm_s"] = round(first_hit_s, 4) if n == lengths[0] else None
+        if timers and n == lengths[0]:
+            row["first_hit_stages"] = first_stages
+        rows.append(row)
     return rows
 
 
