@@ -129,11 +129,11 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in CASES} for m in modes}
-    t0 = time.time()
-    engines = start_all(__file__, modes, args_for, log_dir)
-    started_s = round(time.time() - t0, 1)
-    print(f"{len(modes)} engines ready in {started_s} s", file=sys.stderr, flush=True)
-    try:
+    t0, engines = time.time(), {}
+    try:  # the server is stopped however this ends (an engine that fails to start included)
+        engines = start_all(__file__, modes, args_for, log_dir)
+        started_s = round(time.time() - t0, 1)
+        print(f"{len(modes)} engines ready in {started_s} s", file=sys.stderr, flush=True)
         for rnd in range(args.rounds):
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for case in CASES:

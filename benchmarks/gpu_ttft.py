@@ -181,10 +181,10 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     per: dict[str, list[dict]] = {m: [] for m in modes}
-    t0 = time.time()
-    engines = start_all(__file__, modes, args_for, out.parent / "ttft-logs")
-    print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    try:
+    t0, engines = time.time(), {}
+    try:  # the server is stopped however this ends (an engine that fails to start included)
+        engines = start_all(__file__, modes, args_for, out.parent / "ttft-logs")
+        print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         firsts = {m: e.ask("first") for m, e in engines.items()}
         for rnd in range(args.rounds):
             for i, n in enumerate(lengths):
