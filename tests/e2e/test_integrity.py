@@ -315,40 +315,26 @@ def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, t
             shutdown(llm)
 
 
-@pytest.mark.parametrize("fault", ["intact", "checksum"])
-def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fault):
-    """A hit's payload hashes run on the hashing threads and the step that started them does
-    not wait: its verdict reaches the scheduler with the metadata of a later step, and until
-    then vLLM holds the hit back and runs its other requests.  Forced here (the fetch's hashes
-    on threads of their own, held until a new prompt sent along with the repeat has had
-    several steps with tokens): the repeat of P must get its verdict only after those steps,
-    then hit in full (intact) or only up to the chunk whose byte was flipped (counted as
-    ``checksum``, the object dropped); both outputs right on poisoned KV, and P again after."""
+def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, int]]:
+    """Every fetch's hashes forced onto threads of their own running ``hash_one``; returns the
+    scheduler's steps in order: ("meta", tokens scheduled), ("fetch", 0), ("verdict", good)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm_kvplugin.chunk.checksums import StartedChecksums
-    from vllm_kvplugin.chunk.format import payload_checksum
     from vllm_kvplugin.connector import scheduler as smod
     from vllm_kvplugin.connector import worker as wmod
 
-    q = prompt(3 * CHUNK + 5, seed=41)
-    want_p, want_q = _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)
-    events: list[tuple[str, int]] = []  # ("meta", tokens scheduled) / ("fetch", 0) / ("verdict", good)
-    gate, pool = threading.Event(), ThreadPoolExecutor(2)
-
-    def held(p):
-        assert gate.wait(60), "the hashes were never released: no step ran after the fetch"
-        return payload_checksum(p)
+    events: list[tuple[str, int]] = []
+    pool = ThreadPoolExecutor(2)
     monkeypatch.setattr(wmod, "start_payload_checksums",
-                        lambda ps: StartedChecksums(ps, [pool.submit(held, p) for p in ps]))
+                        lambda ps: StartedChecksums(ps, [pool.submit(hash_one, p) for p in ps]))
     build, update = smod.SchedulerSide.build_connector_meta, smod.SchedulerSide.update_connector_output
 
     def build_meta(self, so):
         meta = build(self, so)
         events.append(("fetch", 0) if meta.fetches else ("meta", so.total_num_scheduled_tokens))
-        since = events[next((i for i, e in enumerate(events) if e[0] == "fetch"), len(events)):]
-        if sum(1 for kind, n in since if kind == "meta" and n > 0) >= 6:
-            gate.set()  # the new prompt has run six steps since the fetch
+        if after_meta:
+            after_meta(events)
         return meta
 
     def update_output(self, output):
@@ -358,6 +344,40 @@ def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fa
         return update(self, output)
     monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta", build_meta)
     monkeypatch.setattr(smod.SchedulerSide, "update_connector_output", update_output)
+    return events
+
+
+def _steps_to_verdict(events) -> list[int]:
+    """Tokens scheduled by each step between the (first) fetch and its verdict."""
+    fetch = events.index(("fetch", 0))
+    verdict = next(i for i, e in enumerate(events) if e[0] == "verdict")
+    return [n for kind, n in events[fetch:verdict] if kind == "meta"]
+
+
+@pytest.mark.parametrize("fault", ["intact", "checksum"])
+def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fault):
+    """A hit's payload hashes run on the hashing threads and a step that has other work does
+    not wait for them: the verdict reaches the scheduler with the metadata of a later step, and
+    until then vLLM holds the hit back and runs its other requests.  Forced here (the fetch's
+    hashes held until a new prompt sent along with the repeat of P has had six steps with
+    tokens): P's verdict must come only after those steps, then P hits in full (intact) or only
+    up to the chunk whose byte was flipped (counted as ``checksum``, the object dropped); both
+    outputs right on poisoned KV, and P again after."""
+    from vllm_kvplugin.chunk.format import payload_checksum
+
+    q = prompt(3 * CHUNK + 5, seed=41)
+    want_p, want_q = _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)
+    gate = threading.Event()
+
+    def held(p):
+        assert gate.wait(60), "the hashes were never released: no step ran after the fetch"
+        return payload_checksum(p)
+
+    def open_gate(events):
+        since = events[next((i for i, e in enumerate(events) if e[0] == "fetch"), len(events)):]
+        if sum(1 for kind, n in since if kind == "meta" and n > 0) >= 6:
+            gate.set()  # the new prompt has run six steps since the fetch
+    events = _watch_verdicts(monkeypatch, held, open_gate)
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
@@ -368,12 +388,9 @@ def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fa
             probe.poison_all_blocks()
             events.clear()
             warm, other = generate(llm, [P, q])
-            fetch = events.index(("fetch", 0))
-            verdict = next(i for i, e in enumerate(events) if e[0] == "verdict")
-            ran = [n for kind, n in events[fetch:verdict] if kind == "meta" and n > 0]
-            assert len(ran) >= 6, events  # steps with tokens between the fetch and its verdict
+            assert sum(1 for n in _steps_to_verdict(events) if n > 0) >= 6, events
             hit = 8 if fault == "intact" else BAD
-            assert events[verdict] == ("verdict", hit)
+            assert ("verdict", hit) in events
             assert warm.token_ids == want_p and warm.num_cached_tokens == hit * CHUNK
             assert other.token_ids == want_q and other.num_cached_tokens == 0
             s = vllm_kvplugin.stats()
@@ -385,4 +402,30 @@ def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fa
         finally:
             gate.set()
             shutdown(llm)
-            pool.shutdown()
+
+
+def test_an_idle_step_waits_for_the_verdict(qwen3_model, monkeypatch):
+    """A step with nothing else to do waits (a bounded time, the GIL released) for a hit's
+    hashes instead of spinning empty steps: a lone repeat whose 8 hashes take 0.1 s each on 2
+    threads (about 0.4 s) sees its verdict within a few steps of its fetch (spinning would be
+    hundreds), then hits in full, right on poisoned KV."""
+    import time
+
+    from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import worker as wmod
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    events = _watch_verdicts(monkeypatch, lambda p: time.sleep(0.1) or payload_checksum(p))
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            probe.poison_all_blocks()
+            events.clear()
+            warm = generate(llm, [P])[0]
+            steps = _steps_to_verdict(events)
+            assert steps and not any(steps), events  # nothing else ran meanwhile
+            assert len(steps) <= 0.4 / wmod.IDLE_VERDICT_WAIT_S + 4, events
+            assert warm.token_ids == want and warm.num_cached_tokens == 8 * CHUNK
+        finally:
+            shutdown(llm)

@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 
@@ -54,6 +55,13 @@ class StartedChecksums:
         """Whether :meth:`result` would return without waiting for the hashing threads (inputs
         too small for them are hashed by ``result`` itself, on the calling thread)."""
         return self._futures is None or all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the hashing threads (with the GIL released); whether
+        they are done."""
+        if self._futures is not None:
+            futures_wait(self._futures, timeout)
+        return self.done()
 
     def result(self) -> list[int]:
         """The checksums, in the payloads' order (waits for the hashing threads)."""

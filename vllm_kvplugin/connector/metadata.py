@@ -98,6 +98,8 @@ class KVPluginMetadata(KVConnectorMetadata):
     epoch: int = 0
     #: the model fingerprint (computed once, by the scheduler: it hashes the weights)
     fingerprint: bytes = b""
+    #: the step schedules no tokens: a worker may wait in it for a verdict (it holds up nothing)
+    idle: bool = False
 
 
 Slot = tuple[int, int]  # (group, local tier slot)

@@ -316,7 +316,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------- stores
     def build_connector_meta(self, so: Any) -> KVPluginMetadata:
         meta = KVPluginMetadata(fetches=self._pending_fetches, loads=self._pending_loads,
-                                forget=self._forget, epoch=self.epoch, fingerprint=self.fingerprint)
+                                forget=self._forget, epoch=self.epoch, fingerprint=self.fingerprint,
+                                idle=so.total_num_scheduled_tokens == 0)
         self._pending_fetches, self._pending_loads, self._forget = [], [], []
         for nr in so.scheduled_new_reqs:
             tr = self._reqs.get(nr.req_id)
