@@ -404,28 +404,34 @@ def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fa
             shutdown(llm)
 
 
-def test_an_idle_step_waits_for_the_verdict(qwen3_model, monkeypatch):
-    """A step with nothing else to do waits (a bounded time, the GIL released) for a hit's
-    hashes instead of spinning empty steps: a lone repeat whose 8 hashes take 0.1 s each on 2
-    threads (about 0.4 s) sees its verdict within a few steps of its fetch (spinning would be
-    hundreds), then hits in full, right on poisoned KV."""
+@pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=pytest.mark.newest_lane)])
+def test_an_idle_step_waits_for_the_verdict(qwen3_model, monkeypatch, tier, request):
+    """A step with nothing else to do waits (a bounded time, the GIL released) for what a
+    held-back hit waits on instead of spinning empty steps: the server's answer to its lookup
+    (one step, where a spinning engine took about 35 on this machine), then its hashes: a lone
+    repeat whose 8 hashes take 0.1 s each on 2 threads (about 0.4 s) sees its verdict within a
+    few steps of its fetch (spinning: thousands), then hits in full, right on poisoned KV."""
     import time
 
     from vllm_kvplugin.chunk.format import payload_checksum
-    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.connector.metadata import IDLE_WAIT_S
 
     want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    cfg = {"chunk_size": CHUNK}
+    if tier == "server":
+        cfg.update(cpu_bytes=0, server=request.getfixturevalue("server").address)
     events = _watch_verdicts(monkeypatch, lambda p: time.sleep(0.1) or payload_checksum(p))
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        llm = engine(qwen3_model, BLOCK, cfg, budget=CHUNK)
         try:
             assert generate(llm, [P])[0].token_ids == want
             probe.poison_all_blocks()
             events.clear()
             warm = generate(llm, [P])[0]
+            assert len(events[:events.index(("fetch", 0))]) <= (2 if tier == "server" else 0), events
             steps = _steps_to_verdict(events)
             assert steps and not any(steps), events  # nothing else ran meanwhile
-            assert len(steps) <= 0.4 / wmod.IDLE_VERDICT_WAIT_S + 4, events
+            assert len(steps) <= 0.4 / IDLE_WAIT_S + 4, events
             assert warm.token_ids == want and warm.num_cached_tokens == 8 * CHUNK
         finally:
             shutdown(llm)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ from vllm_kvplugin.chunk.format import HEADER_SIZE
 from vllm_kvplugin.chunk.keys import chunk_keys, model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector.metadata import (
+    IDLE_WAIT_S,
     FetchJob,
     FetchRequest,
     KVPluginMetadata,
@@ -200,6 +203,14 @@ class SchedulerSide:
         self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs))
         return None, False
 
+    def _wait_for_a_lookup(self) -> None:
+        """In a step that scheduled no tokens: wait, up to :data:`IDLE_WAIT_S` with the GIL
+        released, for one of the server lookups in flight (their answers are read on a client
+        thread, which a spinning engine thread keeps waiting for the GIL)."""
+        pending = [tr.server_lookup for tr in self._reqs.values() if tr.server_lookup is not None]
+        if pending and not any(f.done() for f in pending):
+            futures_wait(pending, IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+
     def _being_stored(self, tr: RequestTracker, now: float) -> bool:
         """Chunks of the prompt whose stores every rank has not acknowledged yet (their copies
         finish after their step): wait for them, a bounded time, rather than miss them."""
@@ -318,6 +329,8 @@ class SchedulerSide:
         meta = KVPluginMetadata(fetches=self._pending_fetches, loads=self._pending_loads,
                                 forget=self._forget, epoch=self.epoch, fingerprint=self.fingerprint,
                                 idle=so.total_num_scheduled_tokens == 0)
+        if meta.idle:
+            self._wait_for_a_lookup()
         self._pending_fetches, self._pending_loads, self._forget = [], [], []
         for nr in so.scheduled_new_reqs:
             tr = self._reqs.get(nr.req_id)

@@ -53,6 +53,7 @@ from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector import finisher
 from vllm_kvplugin.connector.finisher import PendingStore, StoreFinisher
 from vllm_kvplugin.connector.metadata import (
+    IDLE_WAIT_S,
     FetchRequest,
     KVPluginMetadata,
     KVPluginWorkerMeta,
@@ -97,11 +98,6 @@ def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: in
     take = torch.tensor(takes, dtype=torch.int64).view(-1, 1)
     slots[(t < skip) | (t >= take)] = -1
     return slots
-
-
-#: the longest a step that scheduled no tokens waits for a verdict (the hashes of a 16k-token
-#: hit took 31 ms on the H200's host, a 64k one 143 ms)
-IDLE_VERDICT_WAIT_S = 0.05
 
 
 @dataclass
@@ -301,10 +297,10 @@ class WorkerSide:
         failure counts once, by the first one's reason.
 
         ``wait`` (a step that scheduled no tokens: nothing else to hold up): first wait, up to
-        :data:`IDLE_VERDICT_WAIT_S`, for the oldest fetch's hashes, with the GIL released for
+        :data:`~vllm_kvplugin.connector.metadata.IDLE_WAIT_S`, for the oldest fetch's hashes, with the GIL released for
         the hashing threads, rather than spin empty steps (a new request waits at most that)."""
         if wait and self._verifying and not any(v.sums is None or v.sums.done() for v in self._verifying.values()):
-            next(iter(self._verifying.values())).sums.wait(IDLE_VERDICT_WAIT_S)
+            next(iter(self._verifying.values())).sums.wait(IDLE_WAIT_S)
         for rid, v in list(self._verifying.items()):
             if v.sums is not None and not v.sums.done():
                 continue
