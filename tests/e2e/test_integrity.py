@@ -283,35 +283,47 @@ def test_prompt_logprobs_never_read_a_cached_prefix(qwen3_model):
 @pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=pytest.mark.newest_lane)])
 def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, tier, request):
     """On a GPU stores finish on the worker's finisher thread after their step (their copies
-    cross the link while the next steps run). Forced here on the CPU, each store slowed down:
-    a repeat of the prompt right after it must wait for them (vLLM holds it back a few steps),
-    then hit in full, with the right output, from the in-process tier or the server."""
+    cross the link while the next steps run). Forced here on the CPU, the stores held until a
+    repeat of the prompt has started, then 0.1 s each: the repeat must wait for them (vLLM holds
+    it back, and its idle steps wait for the finisher instead of spinning: a few dozen steps,
+    where spinning takes thousands), then hit in full, with the right output, from the
+    in-process tier or the server."""
     import time
 
+    from vllm_kvplugin.chunk.format import payload_checksum
     from vllm_kvplugin.connector import finisher
     from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.connector.metadata import IDLE_WAIT_S
 
     monkeypatch.setattr(finisher, "ASYNC_ON_HOST", True)
-    finish = wmod.WorkerSide._finish
-    monkeypatch.setattr(wmod.WorkerSide, "_finish", lambda self, e: time.sleep(0.3) or finish(self, e))
+    finish, gate, armed = wmod.WorkerSide._finish, threading.Event(), threading.Event()
+    monkeypatch.setattr(wmod.WorkerSide, "_finish",
+                        lambda self, e: (gate.wait(30), time.sleep(0.1), finish(self, e))[-1])
     p = prompt(5 * 32 + 3, seed=8)
     want = _baseline(qwen3_model, 32, [[p]], budget=32)[0]
     cfg = {"chunk_size": 32}
     if tier == "server":
         cfg.update(cpu_bytes=0, server=request.getfixturevalue("server").address)
+    events = _watch_verdicts(monkeypatch, payload_checksum, lambda ev: armed.is_set() and gate.set())
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, 32, cfg, budget=32)
         try:
             assert generate(llm, [p])[0].token_ids == want
             probe.poison_all_blocks()
+            assert not gate.is_set() and probe.worker.finisher.busy()  # its stores wait
+            events.clear()
+            armed.set()  # the repeat's first step lets them go
             warm = generate(llm, [p])[0]
+            held = events[:events.index(("fetch", 0))]
+            assert 3 <= len(held) <= 0.5 / IDLE_WAIT_S + 15, events
             assert warm.token_ids == want and warm.num_cached_tokens == 5 * 32
             assert probe.worker.finisher.drain(10)
             s = vllm_kvplugin.stats()
             assert s["stored_tokens"] == 5 * 32 and s["load_failures"] == {}
             assert s["server_store_errors"] == 0
         finally:
+            gate.set()
             shutdown(llm)
 
 

@@ -102,3 +102,26 @@ def test_started_checksums_of_small_inputs_wait_on_the_calling_thread(monkeypatc
     assert seen == []
     assert started_sums.result() == [payload_checksum(p) for p in ps]
     assert set(seen) == {threading.get_ident()}
+
+
+def test_when_done_calls_back_once_after_the_last_hash(monkeypatch):
+    go = threading.Event()
+
+    def gated(p):
+        assert go.wait(10)
+        return payload_checksum(p)
+    monkeypatch.setattr(checksums, "payload_checksum", gated)
+    calls = []
+    started_sums = checksums.start_payload_checksums(_payloads(12, 1 << 20))
+    started_sums.when_done(lambda: calls.append(started_sums.done()))
+    assert calls == []  # every hash is held
+    go.set()
+    started_sums.result()
+    for _ in range(100):  # the callback runs on the hashing thread after the future is done
+        if calls:
+            break
+        threading.Event().wait(0.01)
+    assert calls == [True]
+    small = checksums.start_payload_checksums(_payloads(2, 16))
+    small.when_done(lambda: calls.append("now"))
+    assert calls == [True, "now"]

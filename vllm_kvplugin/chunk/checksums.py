@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 
 import numpy as np
 
@@ -56,12 +55,22 @@ class StartedChecksums:
         too small for them are hashed by ``result`` itself, on the calling thread)."""
         return self._futures is None or all(f.done() for f in self._futures)
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the hashing threads (with the GIL released); whether
-        they are done."""
-        if self._futures is not None:
-            futures_wait(self._futures, timeout)
-        return self.done()
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """``callback()`` once every hash is in: now if they are, else on the hashing thread that
+        finishes the last one."""
+        if self._futures is None:
+            callback()
+            return
+        left, lock = [len(self._futures)], threading.Lock()
+
+        def one_done(_f: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+        for f in self._futures:
+            f.add_done_callback(one_done)
 
     def result(self) -> list[int]:
         """The checksums, in the payloads' order (waits for the hashing threads)."""

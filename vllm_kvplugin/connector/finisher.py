@@ -57,9 +57,10 @@ class StoreFinisher:
     headers, commit); it runs on the finisher thread, which owns the entries from ``submit`` on.
     """
 
-    def __init__(self, engine: Any, finish, asynchronous: bool):
+    def __init__(self, engine: Any, finish, asynchronous: bool, on_done=None):
         self._engine = engine
         self._finish = finish
+        self._on_done = on_done  # called after each store finished (on the finisher thread)
         self._async = asynchronous
         self._lock = threading.Lock()
         self._stored: dict[tuple[int, int], int] = {}
@@ -97,6 +98,15 @@ class StoreFinisher:
         for k, n in done.items():
             meta.store_done[k] = meta.store_done.get(k, 0) + n
 
+    def busy(self) -> bool:
+        """Stores submitted and not finished yet."""
+        return not self._idle.is_set()
+
+    def has_results(self) -> bool:
+        """Finished stores (or acknowledgements) that :meth:`take` has not moved yet."""
+        with self._lock:
+            return bool(self._stored or self._failed or self._done)
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted store finished (tests, shutdown)."""
         return self._idle.wait(timeout)
@@ -128,3 +138,5 @@ class StoreFinisher:
                 self._failed[s] = self._failed.get(s, 0) + 1
             for k in entry.keys:
                 self._done[k] = self._done.get(k, 0) + 1
+        if self._on_done is not None:
+            self._on_done()

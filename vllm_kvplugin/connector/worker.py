@@ -8,7 +8,8 @@ hit does; after it otherwise) -> forward -> ``store`` (from ``wait_for_save``)
 ``start_load`` first *fetches*: it reads the objects of every hit the scheduler
 is holding back, checks header and size and starts their checksums; the verdict
 goes to the scheduler with the metadata of the step in which the hashes are in
-(``take_meta``: no step waits for them), and views of the verified bytes are kept
+(``take_meta``: a step with tokens never waits for them, one without waits a
+bounded time rather than spin), and views of the verified bytes are kept
 (they stay put: pinned in the local tier, leased on the server; a restarted
 server's old pool stays mapped).  Then it *loads* claimed hits from those
 verified views only.  A load can thus only fail on a copy error: its
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -150,6 +152,7 @@ class WorkerSide:
         self._prefetched: dict[str, dict[int, tuple[Any, dict[int, int]]]] = {}  # per group, on the device
         self._verifying: dict[str, _Verifying] = {}  # fetches whose verdict is still due
         self._idle = False  # the bound step schedules no tokens (KVPluginMetadata.idle)
+        self._progress = threading.Event()  # set when a fetch's hashes or a store are done
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
 
     # ------------------------------------------------------------- registration
@@ -182,7 +185,8 @@ class WorkerSide:
         self.device = next(t.device for t in kv_caches.values() if isinstance(t, torch.Tensor))
         self.engine = engine_for(self.device, self.cfg.gpu_staging_bytes)
         self.finisher = StoreFinisher(self.engine, self._finish,
-                                      asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST)
+                                      asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST,
+                                      on_done=self._progress.set)
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
             if self.groups[g].kind is not GroupKind.RECURRENT:
                 self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
@@ -288,6 +292,8 @@ class WorkerSide:
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
         self._verifying[req.req_id] = _Verifying(req, errors, checked, order, sums)
+        if sums is not None:
+            sums.when_done(self._progress.set)
         self._settle()
 
     def _settle(self, wait: bool = False) -> None:
@@ -296,11 +302,9 @@ class WorkerSide:
         object that failed is dropped from its tier at once (each would fail a later hit); the
         failure counts once, by the first one's reason.
 
-        ``wait`` (a step that scheduled no tokens: nothing else to hold up): first wait, up to
-        :data:`~vllm_kvplugin.connector.metadata.IDLE_WAIT_S`, for the oldest fetch's hashes, with the GIL released for
-        the hashing threads, rather than spin empty steps (a new request waits at most that)."""
-        if wait and self._verifying and not any(v.sums is None or v.sums.done() for v in self._verifying.values()):
-            next(iter(self._verifying.values())).sums.wait(IDLE_WAIT_S)
+        ``wait``: first :meth:`_wait_while_idle`."""
+        if wait:
+            self._wait_while_idle()
         for rid, v in list(self._verifying.items()):
             if v.sums is not None and not v.sums.done():
                 continue
@@ -315,6 +319,18 @@ class WorkerSide:
             self._meta.fetched[rid] = (1, good)
             if good < len(jobs):
                 self._failed_fetch(v.req, errors)
+
+    def _wait_while_idle(self) -> None:
+        """In a step that scheduled no tokens (nothing else to hold up): wait, up to
+        :data:`~vllm_kvplugin.connector.metadata.IDLE_WAIT_S` with the GIL released, until a
+        fetch's hashes or a store are done (what a held-back request waits on), rather than
+        spin empty steps whose thread keeps the GIL from the threads doing that work.  A new
+        request waits at most that."""
+        self._progress.clear()  # before looking: a completion from now on sets it
+        if any(v.sums is None or v.sums.done() for v in self._verifying.values()) or self.finisher.has_results():
+            return
+        if self._verifying or self.finisher.busy():
+            self._progress.wait(IDLE_WAIT_S)
 
     def _object(self, job, view) -> tuple[bytes, memoryview, torch.Tensor]:
         """An object's header bytes, payload bytes and payload tensor (``[1, *shape]``), from
