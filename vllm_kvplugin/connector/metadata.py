@@ -87,10 +87,11 @@ class StoreRequest:
     jobs: list[StoreJob]
 
 
-#: the longest a step that scheduled no tokens waits, with the GIL released, for a held-back
-#: request's server lookup (scheduler) or verdict (worker) rather than spin empty steps, in which
-#: the engine's thread keeps the GIL from the threads doing that work.  A new request waits at
-#: most that.  (The hashes of a 16k-token hit took 31 ms on the H200's host, a 64k one 143 ms.)
+#: the longest a step that scheduled no tokens waits, with the GIL released, for what a held-back
+#: request waits on (scheduler: a server lookup; worker: a fetch's hashes or a store) rather than
+#: spin empty steps, in which the engine's thread keeps the GIL from the threads doing that work.
+#: A new request waits at most that.  (The hashes of a 16k-token hit took 31 ms on the H200's
+#: host, a 64k one 143 ms.)
 IDLE_WAIT_S = 0.05
 
 
