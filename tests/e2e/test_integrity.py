@@ -447,3 +447,37 @@ def test_an_idle_step_waits_for_the_verdict(qwen3_model, monkeypatch, tier, requ
             assert warm.token_ids == want and warm.num_cached_tokens == 8 * CHUNK
         finally:
             shutdown(llm)
+
+
+def test_a_hash_that_fails_is_recomputed(qwen3_model, monkeypatch):
+    """The hashing of a hit raising (mocked: the hashing threads cannot be made to fail for
+    real) ends in a recompute counted as ``verify_error``, the objects kept (nothing is known
+    wrong with them) and the engine going on: right on poisoned KV, then a full hit once the
+    hashing works again."""
+    from vllm_kvplugin.chunk.format import payload_checksum
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    broken = threading.Event()
+
+    def hash_one(p):
+        if broken.is_set():
+            raise RuntimeError("injected hashing failure")
+        return payload_checksum(p)
+    _watch_verdicts(monkeypatch, hash_one)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            probe.poison_all_blocks()
+            broken.set()
+            cold = generate(llm, [P])[0]
+            assert cold.token_ids == want and cold.num_cached_tokens == 0
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {"verify_error": 1} and s["dropped_objects"] == 0
+            broken.clear()
+            probe.poison_all_blocks(seed=1)
+            warm = generate(llm, [P])[0]
+            assert warm.token_ids == want and warm.num_cached_tokens == 8 * CHUNK
+        finally:
+            shutdown(llm)

@@ -311,8 +311,16 @@ class WorkerSide:
             del self._verifying[rid]
             errors, jobs = v.errors, v.req.jobs
             if v.sums is not None:
-                for n, got in zip(v.order, v.sums.result()):
-                    if n in v.checked and got != v.checked[n][0]:
+                try:
+                    sums = v.sums.result()
+                except Exception as e:  # the hashing itself failed: nothing verified, nothing known bad
+                    logger.exception("vllm-kvplugin: %s: hashing its hit failed", rid)
+                    trouble = TierTrouble("verify_error", f"payload checksums could not be computed ({e})")
+                    sums = [None] * len(v.order)
+                    for n in v.order:
+                        errors[n] = errors[n] or trouble
+                for n, got in zip(v.order, sums):
+                    if got is not None and n in v.checked and got != v.checked[n][0]:
                         errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
             good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
             self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
