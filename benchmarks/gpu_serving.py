@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, transfer_config  # noqa: E402
-from side_by_side import serve, start_all  # noqa: E402
+from side_by_side import running, serve  # noqa: E402
 from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
 
 MODES = "baseline,kvplugin,kvplugin-server"
@@ -129,9 +129,8 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in CASES} for m in modes}
-    t0, engines = time.time(), {}
-    try:  # the server is stopped however this ends (an engine that fails to start included)
-        engines = start_all(__file__, modes, args_for, log_dir)
+    t0 = time.time()
+    with running(__file__, modes, args_for, log_dir, server) as engines:
         started_s = round(time.time() - t0, 1)
         print(f"{len(modes)} engines ready in {started_s} s", file=sys.stderr, flush=True)
         for rnd in range(args.rounds):
@@ -149,12 +148,6 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
             if partial:
                 partial.write_text(json.dumps({"partial": True, "batches": _without_outputs(batches)}))
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
-    finally:
-        for e in engines.values():
-            e.close()
-        if server is not None:
-            server.terminate()
-            server.wait(30)
     return {"engines_started_s": started_s, "batches": batches, "kvplugin_stats": stats}
 
 

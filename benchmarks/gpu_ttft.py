@@ -45,7 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from side_by_side import serve, start_all  # noqa: E402
+from side_by_side import running, serve  # noqa: E402
 from ttft_common import (  # noqa: E402
     TTFTProbe,
     built_gpu_model,
@@ -181,9 +181,8 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     per: dict[str, list[dict]] = {m: [] for m in modes}
-    t0, engines = time.time(), {}
-    try:  # the server is stopped however this ends (an engine that fails to start included)
-        engines = start_all(__file__, modes, args_for, out.parent / "ttft-logs")
+    t0 = time.time()
+    with running(__file__, modes, args_for, out.parent / "ttft-logs", proc) as engines:
         print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         firsts = {m: e.ask("first") for m, e in engines.items()}
         for rnd in range(args.rounds):
@@ -196,12 +195,6 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
                                                for m in modes), file=sys.stderr, flush=True)
             Path(str(out) + ".partial").write_text(json.dumps({"partial": True, "rounds": per}))
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
-    finally:
-        for e in engines.values():
-            e.close()
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
     results = []
     for m in modes:
         rows = [_median_row([r for r in per[m] if r["prompt_tokens"] == n]) for n in lengths]

@@ -18,7 +18,8 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 READY = "READY"
@@ -100,6 +101,23 @@ def start_all(script: str, modes: Sequence[str], args_for: Callable[[str], list[
             e.close()
         raise
     return engines
+
+
+@contextmanager
+def running(script: str, modes: Sequence[str], args_for: Callable[[str], list[str]], log_dir: Path,
+            server: subprocess.Popen | None = None) -> Iterator[dict[str, Resident]]:
+    """:func:`start_all`; on exit, however it ends (an engine failing to start included), every
+    engine closed and ``server`` (a cache server the engines use) stopped."""
+    engines: dict[str, Resident] = {}
+    try:
+        engines = start_all(script, modes, args_for, log_dir)
+        yield engines
+    finally:
+        for e in engines.values():
+            e.close()
+        if server is not None:
+            server.terminate()
+            server.wait(30)
 
 
 def serve(handle: Callable[[str], dict]) -> None:
