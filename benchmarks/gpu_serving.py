@@ -21,6 +21,10 @@ rotated order, ask every engine for:
   whole chunk) are those of the round's ``reuse_0`` and whose rest is new: the shared part can
   only come from a connector.
 
+With ``--timeline`` every engine has ``stage_timers.StageTimers`` installed from its start
+(every mode alike), and after the rounds each runs one more ``reuse_0`` and ``reuse_80`` batch whose
+stages and timeline (every step, forward, fetch, hash, copy) are kept in the results.
+
 Throughput = (prompt + generated tokens) / wall seconds of the batch.  A mode's ratio to the
 baseline is taken per round (batches seconds apart) and the median over rounds is reported,
 with every round's; each batch also records the engine process's CPU seconds (and the cache
@@ -85,6 +89,10 @@ def run_resident(mode: str, args) -> None:
 
     import vllm_kvplugin
 
+    timers = None
+    if args.timeline:
+        from stage_timers import StageTimers
+        timers = StageTimers().install()
     ktc = transfer_config(mode, args.chunk, args.host_bytes, args.server)
     if ktc is not None and mode.startswith("kvplugin"):
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
@@ -96,11 +104,15 @@ def run_resident(mode: str, args) -> None:
     def handle(command: str) -> dict:
         if command == "stats":
             return {"kvplugin_stats": vllm_kvplugin.stats() if mode.startswith("kvplugin") else None}
-        case, rnd = command.split()
+        *timed, case, rnd = command.split()  # [timeline] CASE ROUND
         llm.reset_prefix_cache()  # a reuse_80 hit can only come from the connector
+        if timed:
+            timers.reset()
         c0 = _cpu_s()
         out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk), args.max_tokens)
         out["cpu_s"] = round(_cpu_s() - c0, 3)
+        if timed:
+            out["stages"] = timers.collect()
         return out
 
     serve(handle)
@@ -125,7 +137,8 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
         a = ["--model", model, "--streams", str(args.streams), "--prompt-tokens", str(args.prompt_tokens),
              "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
              "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
-             "--gpu-util", str(args.gpu_util), "--gpu-staging-bytes", str(args.gpu_staging_bytes)]
+             "--gpu-util", str(args.gpu_util), "--gpu-staging-bytes", str(args.gpu_staging_bytes)] \
+            + (["--timeline"] if args.timeline else [])
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in CASES} for m in modes}
@@ -147,8 +160,10 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
                   file=sys.stderr, flush=True)
             if partial:
                 partial.write_text(json.dumps({"partial": True, "batches": _without_outputs(batches)}))
+        timelines = {m: {c: e.ask(f"timeline {c} {args.rounds}") for c in CASES} for m, e in engines.items()} \
+            if args.timeline else None
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
-    return {"engines_started_s": started_s, "batches": batches, "kvplugin_stats": stats}
+    return {"engines_started_s": started_s, "batches": batches, "kvplugin_stats": stats, "timelines": timelines}
 
 
 def _without_outputs(batches: dict) -> dict:
@@ -204,6 +219,8 @@ def main() -> int:
                          "check of free memory, which the engines started beside each other must pass")
     ap.add_argument("--gpu-staging-bytes", type=int, default=GPU_STAGING_BYTES)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of both cases (ratios per round, their median)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="stage timers in every engine, and one more batch of each case with its timeline")
     args = ap.parse_args()
     if args.child:
         run_resident(args.child, args)
@@ -221,6 +238,9 @@ def main() -> int:
         "chunk_size": args.chunk, "rounds": args.rounds, "engines_started_s": res["engines_started_s"],
         "summary": summary, "batches": _without_outputs(res["batches"]), "kvplugin_stats": res["kvplugin_stats"],
     }
+    if res["timelines"]:
+        doc["timelines"] = {m: {c: {k: v for k, v in b.items() if k != "outputs"} for c, b in cases.items()}
+                            for m, cases in res["timelines"].items()}
     out.write_text(json.dumps(doc, indent=1))
     partial.unlink(missing_ok=True)  # the whole run is in out
     for row in summary:

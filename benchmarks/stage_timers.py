@@ -7,7 +7,8 @@
 * ``forward``   - the model runner's ``execute_model`` (CUDA events on the compute stream);
 * ``fetch``     - the worker's fetch of a held-back hit: header checks, hashing, the prefetch
   issued (host wall time);
-* ``verify``    - the payload hashing inside a fetch (host wall time);
+* ``verify``    - a fetch's payload hashes, from their start until the last is in (host wall
+  time; they run on the hashing threads while the engine goes on);
 * ``h2d``       - the prefetch's copy over the link (CUDA events on the engine's H2D stream);
 * ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
   ``scatter`` is the part from the device staging into the paged cache;
@@ -107,20 +108,17 @@ class StageTimers:
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
         orig_start = wmod.start_payload_checksums
 
-        def start(payloads):  # from the hashes' start until the fetch has their values
-            wait = orig_start(payloads)
-            if not getattr(self._local, "in_fetch", False):
-                return wait
-            t0 = time.perf_counter()
+        def start(payloads):  # from the hashes' start until the last is in (a fetch's only)
+            sums = orig_start(payloads)
+            if getattr(self._local, "in_fetch", False):
+                t0 = time.perf_counter()
 
-            def timed_wait():
-                try:
-                    return wait()
-                finally:
+                def done():
                     t1 = time.perf_counter()
                     self._host["verify"].append(t1 - t0)
                     self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
-            return timed_wait
+                sums.when_done(done)
+            return sums
         wmod.start_payload_checksums = start
         gc.callbacks.append(self._on_gc)
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
