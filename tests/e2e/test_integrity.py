@@ -449,6 +449,63 @@ def test_an_idle_step_waits_for_the_verdict(qwen3_model, monkeypatch, tier, requ
             shutdown(llm)
 
 
+def test_no_idle_wait_while_a_batch_may_be_in_flight(qwen3_model, monkeypatch):
+    """vLLM's asynchronous scheduling runs steps that schedule no tokens while a batch is still on
+    the device; a wait there delays that batch's output (on the H200 every cold prompt of more
+    than one step took up to 50 ms longer).  Such steps do not happen on the CPU lane (no
+    asynchronous scheduling there), so one is emulated: a request scheduled in a step of the
+    real scheduler's own kind and not finished while a repeat of P is held back for its
+    verdict.  That step is not idle; once the request finishes, held steps are again; the repeat
+    then hits in full, right on poisoned KV."""
+    import time
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import scheduler as smod
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    _watch_verdicts(monkeypatch, lambda p: time.sleep(0.1) or payload_checksum(p))
+    build, steps, sides = smod.SchedulerSide.build_connector_meta, [], []
+
+    def recording(self, so):
+        meta = build(self, so)
+        sides.append(self)
+        steps.append((so.total_num_scheduled_tokens, meta.idle))
+        return meta
+    monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta", recording)
+    empty = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    started = SimpleNamespace(total_num_scheduled_tokens=1, num_scheduled_tokens={"in-flight": 1},
+                              scheduled_new_reqs=[SimpleNamespace(req_id="in-flight", block_ids=([7],),
+                                                                  num_computed_tokens=0)],
+                              scheduled_cached_reqs=empty)
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            probe.poison_all_blocks()
+            sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            llm.llm_engine.add_request("repeat", {"prompt_token_ids": P}, sp)
+            steps.clear()
+            llm.llm_engine.step()  # looks P up: its fetch goes out, the repeat is held back (idle)
+            assert steps == [(0, True)] and probe.worker._verifying, steps
+            side = sides[-1]
+            meta = side.build_connector_meta(started)  # vLLM scheduled "in-flight" (never run here)
+            assert not (meta.fetches or meta.loads or meta.stores)
+            steps.clear()
+            llm.llm_engine.step()  # the repeat still held (hashes of 0.1 s each), "in-flight" not done
+            assert steps == [(0, False)] and probe.worker._verifying, steps
+            side.request_finished(SimpleNamespace(request_id="in-flight"))
+            outs = []
+            while llm.llm_engine.has_unfinished_requests():
+                outs += [o for o in llm.llm_engine.step() if o.finished]
+            assert (0, True) in steps, steps  # held again with nothing unfinished: idle
+            assert list(outs[0].outputs[0].token_ids) == want and outs[0].num_cached_tokens == 8 * CHUNK
+        finally:
+            shutdown(llm)
+
+
 def test_a_hash_that_fails_is_recomputed(qwen3_model, monkeypatch):
     """The hashing of a hit raising (mocked: the hashing threads cannot be made to fail for
     real) ends in a recompute counted as ``verify_error``, the objects kept (nothing is known

@@ -106,8 +106,10 @@ class KVPluginMetadata(KVConnectorMetadata):
     epoch: int = 0
     #: the model fingerprint (computed once, by the scheduler: it hashes the weights)
     fingerprint: bytes = b""
-    #: the step schedules no tokens: it may wait, up to :data:`IDLE_WAIT_S`, for what a held-back
-    #: request waits on (it holds up nothing else)
+    #: the step schedules no tokens, no request scheduled before is unfinished (none can be in a
+    #: batch still in flight, whose output a wait would delay: vLLM's asynchronous scheduling
+    #: runs such steps), and a request is held back for this connector: the step may wait, up to
+    #: :data:`IDLE_WAIT_S`, for what that request waits on (it holds up nothing else)
     idle: bool = False
 
 

@@ -144,6 +144,8 @@ class SchedulerSide:
         self._load_acks: dict[str, int] = {}
         self._store_acks: dict[tuple[int, int], tuple[int, bool]] = {}  # (group, slot) -> acks, any failed
         self._slot_chunk: dict[tuple[int, int], int] = {}
+        self._started: set[str] = set()  # requests scheduled and not finished (any of them)
+        self._holding = False  # this step's scheduling held a request back for this connector
         logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s",
                     self.chunk_size, num_slots, "; ".join(g.describe() for g in self.groups))
 
@@ -162,6 +164,12 @@ class SchedulerSide:
         return tr
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        matched = self._match(request, num_computed_tokens)
+        if matched[0] is None:
+            self._holding = True  # a request waits on this connector (see build_connector_meta)
+        return matched
+
+    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         tr = self._tracker(request)
         if tr is None or _common.skips_prefix_cache(request) or (
                 self.local[0].num_slots == 0 and self.server is None):
@@ -326,19 +334,24 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------- stores
     def build_connector_meta(self, so: Any) -> KVPluginMetadata:
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        self._started.update(nr.req_id for nr in so.scheduled_new_reqs)
+        self._started.update(resumed)
+        # nothing scheduled, no batch of an asynchronous scheduler in flight (whose output a wait
+        # would hold back: any request started and not finished may be in one), a request held back
+        idle = so.total_num_scheduled_tokens == 0 and not self._started and self._holding
         meta = KVPluginMetadata(fetches=self._pending_fetches, loads=self._pending_loads,
-                                forget=self._forget, epoch=self.epoch, fingerprint=self.fingerprint,
-                                idle=so.total_num_scheduled_tokens == 0)
-        if meta.idle:
+                                forget=self._forget, epoch=self.epoch, fingerprint=self.fingerprint, idle=idle)
+        if idle:
             self._wait_for_a_lookup()
         self._pending_fetches, self._pending_loads, self._forget = [], [], []
+        self._holding = False
         for nr in so.scheduled_new_reqs:
             tr = self._reqs.get(nr.req_id)
             if tr is not None:
                 tr.block_ids = [list(b) for b in nr.block_ids]
                 tr.num_computed = nr.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             tr = self._reqs.get(rid)
             if tr is None:
@@ -502,6 +515,7 @@ class SchedulerSide:
             self.local[slot[0]].commit(slot[1], not failed)
 
     def request_finished(self, request: Any) -> None:
+        self._started.discard(request.request_id)
         tr = self._reqs.pop(request.request_id, None)
         if tr is not None:
             self._drop_fetch(tr)  # looked up but never loaded
