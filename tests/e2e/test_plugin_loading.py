@@ -118,6 +118,8 @@ def test_multiprocess_engine_loads_plugin_everywhere(qwen3_model):
     """vLLM's default multiprocess engine: the entry point alone makes the connector work."""
     out = _run(f"""
         import random
+        import torch
+        torch.cpu._is_amx_tile_supported = lambda: False  # as harness.no_amx (forked processes inherit it)
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         random.seed(3)
