@@ -18,7 +18,7 @@ and drops the blocks from its prefix cache: ``load_failure_policy``), and every
 store of the step and of later metadata up to the scheduler's next epoch is
 dropped (computed over blocks the load never wrote).  Nothing here may crash the
 engine or serve doubtful KV; an object that fails verification is dropped from
-its tier at once.
+its tier at once.  Stores are :class:`~vllm_kvplugin.connector.worker_stores.StorePath`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.checksums import (
     PARALLEL_MIN_BYTES,
     StartedChecksums,
-    hash_then_copy,
     payload_checksums,
     start_payload_checksums,
 )
@@ -47,13 +46,12 @@ from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
     ChunkError,
     ChunkExpect,
-    ChunkHeader,
     check_chunk,
     dtype_name,
 )
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector import finisher
-from vllm_kvplugin.connector.finisher import PendingStore, StoreFinisher
+from vllm_kvplugin.connector.finisher import StoreFinisher
 from vllm_kvplugin.connector.metadata import (
     IDLE_WAIT_S,
     FetchRequest,
@@ -63,26 +61,21 @@ from vllm_kvplugin.connector.metadata import (
     LoadRequest,
     StoreJob,
 )
+from vllm_kvplugin.connector.worker_stores import StorePath, bytes_of
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.layout.state import (
     StateSource,
     certify_state,
     check_state,
-    gather_state,
     scatter_state,
 )
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
-from vllm_kvplugin.tiers.mp import ServerStore, ServerTarget, TierTrouble
+from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
 from vllm_kvplugin.transfer.host_buffers import HostBuffers
 
 logger = logging.getLogger(__name__)
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: int,
@@ -124,7 +117,7 @@ def registered() -> WorkerSide | None:
     return _REGISTERED() if _REGISTERED is not None else None
 
 
-class WorkerSide:
+class WorkerSide(StorePath):
     """The worker half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig,
@@ -352,7 +345,7 @@ class WorkerSide:
             if header is None:
                 raise ChunkError("missing", f"slot {job.slot} holds no object")
         shape, dtype = self._shape(job.group), self._dtype(job.group)
-        data = _bytes_of(payload)
+        data = bytes_of(payload)
         want = math.prod(shape) * dtype.itemsize
         if data.nbytes != want:
             raise ChunkError("short_read", f"payload has {data.nbytes} of {want} bytes")
@@ -466,148 +459,6 @@ class WorkerSide:
         finally:
             self._forget(req.req_id)
         self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
-
-    # ------------------------------------------------------------------- stores
-    def store(self, meta: KVPluginMetadata) -> None:
-        """Issue the gathers of every object completed by this step's forward."""
-        jobs = [job for req in meta.stores for job in req.jobs]
-        if not jobs:
-            return
-        if meta.epoch <= self._failed_epoch:
-            self._cancel(meta)
-            return
-        t0 = time.perf_counter()
-        keys = [j.key for j in jobs]
-        local = [j for j in jobs if j.slot >= 0]
-        remote = self._reserve([j for j in jobs if j.to_server])
-        try:
-            tickets = []
-            # server objects are gathered into this process's own memory (transfer/host_buffers.py)
-            sources, private = [], None
-            if remote:
-                sources, private = self._private.take_slices([t.payload.numel() for t in remote])
-                if len(sources) < len(remote):  # no room for the rest: not sent (never waited for)
-                    skipped, remote = remote[len(sources):], remote[:len(sources)]
-                    counters.WORKER.add(server_store_skipped=len(skipped))
-                    self.server.abort([t.oid for t in skipped])
-            for g, spec in enumerate(self.groups):
-                targets: list[tuple[StoreJob, torch.Tensor]] = []
-                for job in local:
-                    if job.group == g:
-                        self.pool.set_header(g, job.slot, None)
-                        targets.append((job, self.pool.payload(g, job.slot)))
-                for t, src in zip(remote, sources):
-                    if t.job.group == g:
-                        targets.append((t.job, src.view(self._dtype(g)).view(1, *self._shape(g))))
-                if not targets:
-                    continue
-                if spec.kind is GroupKind.RECURRENT:  # the state at the step's end, read now
-                    for job, t in targets:
-                        gather_state(self.layers[g], job.block_ids[0], t.view(spec.num_layers, -1))
-                    continue
-                slots = self.object_slots([j for j, _ in targets])
-                tickets.append(self.engine.store(self.layouts[g], self.layers[g], slots, [t for _, t in targets]))
-        except Exception:
-            logger.exception("vllm-kvplugin: store of %d objects failed", len(jobs))
-            self._fail_local(local)
-            self.finisher.acknowledge(keys)
-            if remote and self.server is not None:
-                counters.WORKER.add(server_store_errors=1)
-                self.server.abort([t.oid for t in remote])
-            if private is not None:
-                self._give_back_after_failure(private)
-            return
-        self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
-
-    def _give_back_after_failure(self, private: torch.Tensor) -> None:
-        """Staging room of a store that failed while it was issued: back once the device has
-        finished every copy issued before the failure (which may still write it); kept out of
-        use for good when even that cannot be known."""
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        except Exception:
-            logger.exception("vllm-kvplugin: %d bytes of server staging memory are kept out of use",
-                             private.numel())
-            return
-        self._private.give(private)
-
-    def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
-        for j in jobs:
-            self._meta.store_failed[(j.group, j.slot)] = self._meta.store_failed.get((j.group, j.slot), 0) + 1
-
-    def _cancel(self, meta: KVPluginMetadata) -> None:
-        """A load failed after its claim: this metadata's stores may hold KV computed over blocks
-        that load never wrote.  None of them lands; the scheduler stores them again later."""
-        for req in meta.stores:
-            self._fail_local([j for j in req.jobs if j.slot >= 0])
-            self.finisher.acknowledge([j.key for j in req.jobs])
-            first = min(j.position for j in req.jobs)
-            self._meta.stores_cancelled[req.req_id] = min(first, self._meta.stores_cancelled.get(req.req_id, first))
-        counters.WORKER.add(stores_cancelled=sum(len(r.jobs) for r in meta.stores))
-
-    def _reserve(self, jobs: list[StoreJob]) -> list[ServerTarget]:
-        """Server room for each object; objects the server already has (or cannot take) drop out."""
-        if not jobs or self.server is None:
-            return []
-        items = [(self.server.object_id(j.key, j.group), HEADER_SIZE + self.groups[j.group].object_bytes(self.chunk_size))
-                 for j in jobs]
-        try:
-            return self.server.reserve(jobs, items)
-        except TierTrouble as e:
-            counters.WORKER.add(server_store_errors=1)
-            logger.warning("vllm-kvplugin: storing to the server skipped (%s)", e)
-            return []
-
-    def _finish(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """On the finisher (its copies done): checksums and headers of the local objects, then the
-        server's objects committed -- only now does any of them become visible.  (On the
-        finisher thread: inference mode as on vLLM's thread, whose tensors these views are.)"""
-        try:
-            with torch.inference_mode():
-                return self._finish_now(entry)
-        finally:
-            if entry.private is not None:
-                self._private.give(entry.private)
-
-    def _finish_now(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        payloads = [_bytes_of(self.pool.payload(j.group, j.slot)) for j in entry.local]
-        nbytes = sum(p.nbytes for p in payloads)
-        for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads)):
-            header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
-            self.pool.set_header(job.group, job.slot, header.pack())
-        nbytes += self._publish(entry.remote, entry.sources)
-        tokens = [j.hi - j.lo for j in [*entry.local, *(t.job for t in entry.remote)] if j.group == self._token_group]
-        counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes,
-                            store_seconds=time.perf_counter() - entry.t0)
-        return [(j.group, j.slot) for j in entry.local], []
-
-    def _publish(self, remote: list[ServerTarget], sources: list[torch.Tensor]) -> int:
-        """Each object hashed in this process's own memory (``sources``), then copied into the
-        server's pool, its header written, and all committed: the objects become visible only
-        now, and a checksum vouches for the bytes this worker computed, not for the pool's."""
-        if not remote:
-            return 0
-        payloads = [_bytes_of(s) for s in sources]
-        try:
-            checksums = hash_then_copy(payloads, [_bytes_of(t.payload) for t in remote])
-            for t, payload, checksum in zip(remote, payloads, checksums):
-                header = ChunkHeader.for_payload(self._expect(t.job.group, t.job.key, t.job.position),
-                                                 payload, checksum)
-                _bytes_of(t.header)[:] = header.pack()
-        except Exception:
-            self.server.abort([t.oid for t in remote])  # never committed: the server takes the room back
-            raise
-        try:
-            ok = self.server.commit(remote)
-        except TierTrouble as e:
-            counters.WORKER.add(server_store_errors=1)
-            logger.warning("vllm-kvplugin: commit to the server failed (%s)", e)
-            return 0
-        if not all(ok):
-            counters.WORKER.add(server_store_errors=1)
-            logger.warning("vllm-kvplugin: the server refused %d of %d objects", ok.count(False), len(ok))
-        return sum(p.nbytes for p in payloads)
 
     def bind(self, meta: KVPluginMetadata) -> None:
         """Every step, before the forward: take the scheduler's fingerprint; the compute stream
