@@ -79,7 +79,8 @@ def main() -> int:
     ap.add_argument("--bytes", type=int, default=2_415_919_104)  # a 16k-token store of the seeds' model
     ap.add_argument("--out", default="gpu-copy-queue.json")
     args = ap.parse_args()
-    _, high = torch.cuda.Stream.priority_range()  # (least, greatest); the default is the least
+    # (least, greatest); the default stream priority is the least
+    _, high = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
     rows = []
     for direction in ("d2h", "h2d"):
         for pieces, prio, window in ((1, 0, None), (8, 0, None), (64, 0, None), (256, 0, None),
