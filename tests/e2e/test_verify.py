@@ -7,7 +7,7 @@ import json
 
 import pytest
 from harness import reset_vllm_globals
-from test_hybrid import RECURRENT_KW
+from test_hybrid import GDN_BLOCK, RECURRENT_KW
 from test_server_tier import server, workdir  # noqa: F401  (fixtures)
 
 from vllm_kvplugin import cli, tiny_model
@@ -56,7 +56,8 @@ def test_verify_through_the_server(qwen3_model, tmp_path, server):  # noqa: F811
 def test_verify_on_a_gdn_hybrid(tmp_path):
     model = str(tiny_model.build(tiny_model.QWEN3NEXT))
     extra = [x for k, v in RECURRENT_KW.items() for x in ("--" + k.replace("_", "-"), v)]
-    status, rep = _verify(tmp_path, model, 384, "1152", "--enable-prefix-caching", *extra)
+    status, rep = _verify(tmp_path, model, GDN_BLOCK, str(3 * GDN_BLOCK), "--enable-prefix-caching",
+                          "--block-size", str(GDN_BLOCK), *extra)
     assert status == 0 and rep["passed"], rep["rows"]
     assert {g for g in rep["ranks"][0]["groups"]} >= {"RECURRENT"}
     assert all(r["hit"] == r["expected_hit"] for r in rep["rows"])
