@@ -13,6 +13,8 @@ prompts in the same order:
 * ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
 * ``kvplugin-hash8`` - ``kvplugin`` hashing on at most 8 host threads (not in the default set:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
+* ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
+  default set; ``transfer/cuda.py``'s "Paced stores");
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -55,6 +57,7 @@ from ttft_common import (  # noqa: E402
     run_modes_with_server,
     start_server,
     summarize,
+    tokens,
 )
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
@@ -95,6 +98,10 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
         from vllm_kvplugin.chunk import checksums
 
         checksums.MAX_THREADS = 8  # read when the hashing pool is made (at registration)
+    if mode.startswith("kvplugin-w"):  # kvplugin-wN: N paced store DMAs on the copy engine at once
+        from vllm_kvplugin.transfer import cuda
+
+        cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])  # read when the transfer engine is made
     ktc = transfer_config(mode, args.chunk, args.host_bytes, server)
     if ktc is not None and mode.startswith("kvplugin") and args.gpu_staging_bytes is not None:
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
@@ -141,10 +148,27 @@ def run_resident(mode: str, args, lengths: list[int]) -> None:
             return {"first_hit_warm_s": round(first_s, 4), "first_hit_stages": first_stages}
         if command == "stats":
             return {"kvplugin_stats": vllm_kvplugin.stats() if mode.startswith("kvplugin") else None}
+        if command.startswith("profile "):
+            return profile(probe, *(int(x) for x in command.split()[1:]))
         n, seed = (int(x) for x in command.split())
         return probe.length(n, seed)
 
     serve(handle)
+
+
+def profile(probe: TTFTProbe, n: int, seed: int) -> dict:
+    """A cold and a warm request of ``n`` tokens (after a primer), each under the profiler: the
+    device's streams and the host's CUDA waits, to see what a late step waited for."""
+    from cuda_trace import busy, traced
+
+    probe.once(tokens(n, 10**6 + seed))
+    p = tokens(n, seed)
+    out = {"prompt_tokens": n}
+    for name in ("cold", "warm"):
+        (t, _), rows = traced(lambda: probe.once(p))
+        out[name] = {"s": round(t, 4), "busy": busy(rows), "rows": rows}
+        time.sleep(probe.settle_s)
+    return out
 
 
 def build_model() -> str:
@@ -181,6 +205,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     per: dict[str, list[dict]] = {m: [] for m in modes}
+    profiles: dict[str, list[dict]] = {}
     t0 = time.time()
     with running(__file__, modes, args_for, out.parent / "ttft-logs", proc) as engines:
         print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -195,11 +220,15 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
                                                for m in modes), file=sys.stderr, flush=True)
             Path(str(out) + ".partial").write_text(json.dumps({"partial": True, "rounds": per}))
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
+        for m, e in engines.items():  # after the rounds: one profiled cold and warm request per mode
+            for n in args.profile:
+                profiles.setdefault(m, []).append(e.ask(f"profile {n} {n + 99 * 10**6}"))
     results = []
     for m in modes:
         rows = [_median_row([r for r in per[m] if r["prompt_tokens"] == n]) for n in lengths]
         rows[0].update(firsts[m])
-        results.append({"mode": m, "rows": rows, "rounds": per[m], "kvplugin_stats": stats[m]})
+        results.append({"mode": m, "rows": rows, "rounds": per[m], "kvplugin_stats": stats[m],
+                        **({"profiles": profiles[m]} if m in profiles else {})})
     return results, {}
 
 
@@ -239,6 +268,9 @@ def main() -> int:
     ap.add_argument("--sequential", action="store_true",
                     help="each mode's engine in turn, one after another (the method before side by side)")
     ap.add_argument("--rounds", type=int, default=3, help="side by side: rounds of every length (fresh prompts)")
+    ap.add_argument("--profile", default="",
+                    help="side by side, after the rounds: these lengths (comma-separated) once more per mode, "
+                         "cold and warm under torch.profiler (benchmarks/cuda_trace.py), kept in the JSON")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu-ttft-h200.json"))
@@ -270,6 +302,7 @@ def main() -> int:
     if side and args.max_batched is None:
         args.max_batched = 16384
     lengths = [int(x) for x in args.lengths.split(",")]
+    args.profile = [int(x) for x in args.profile.split(",") if x]
     if args.child:
         if args.resident:
             run_resident(args.child, args, lengths)

@@ -8,6 +8,8 @@ other (with one adjacent pair, which the engine may copy in one DMA).
 
 from __future__ import annotations
 
+from collections import deque
+
 import _kvcases as K
 import pytest
 import torch
@@ -26,6 +28,8 @@ MODES = {
     "staged": dict(store_zero_copy_max_bytes=-1, load_zero_copy_max_bytes=-1),
     "zero-copy": dict(store_zero_copy_max_bytes=1 << 62, load_zero_copy_max_bytes=1 << 62),
     "default": {},
+    # staged, each chunk its own DMA piece, one piece on the copy engine at a time
+    "paced": dict(store_zero_copy_max_bytes=-1, load_zero_copy_max_bytes=-1, dma_piece_bytes=1, dma_window=1),
 }
 # about 20 ms of GPU time on an H200 (1.98 GHz): long enough for a missing wait to show
 SLEEP_CYCLES = 40_000_000
@@ -162,7 +166,7 @@ def test_store_then_load_matches_reference(name, mode):
     assert torch.equal(_bits(torch.cat(bufs2)), torch.where(keep, _bits(new), _bits(poison2)))
 
 
-@pytest.mark.parametrize("mode", ["staged", "zero-copy"])
+@pytest.mark.parametrize("mode", ["staged", "zero-copy", "paced"])
 def test_store_reads_blocks_after_the_forward_and_before_the_overwrite(mode):
     """A kernel on the compute stream writes the blocks (after a long sleep), the store is
     issued right after, the next step (after fence) overwrites the blocks: the stored bytes
@@ -269,7 +273,7 @@ def test_store_into_host_buffers_a_pending_load_still_reads(mode):
     assert torch.equal(_bits(torch.cat(bufs)), _bits(want_out))
 
 
-@pytest.mark.parametrize("mode", ["staged", "default"])
+@pytest.mark.parametrize("mode", ["staged", "default", "paced"])
 def test_back_to_back_stores_reuse_staging_safely(mode):
     gen = torch.Generator().manual_seed(25)
     eng = _engine(mode)
@@ -287,6 +291,37 @@ def test_back_to_back_stores_reuse_staging_safely(mode):
         eng.wait(ticket)
         assert torch.equal(_bits(torch.cat(bufs)), _bits(want))
     assert len(eng._pool) <= 2
+
+
+def test_store_pieces_are_paced():
+    """A store queues its DMAs in pieces; no more than the window is ever on the copy engine
+    (vLLM's own small copies must not wait behind a whole store), the rest are issued as
+    pieces complete, by ``pump`` from any thread, and the bytes are the reference's."""
+    import threading
+
+    gen = torch.Generator().manual_seed(27)
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()), store_zero_copy_max_bytes=-1,
+                       dma_piece_bytes=1, dma_window=2)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 6, 64
+    slots = _slots(layout, C, T, gen)
+    _, bufs = _host_bufs(layout, C, T, gen)
+    want = _reference_chunks(layout, layers, slots, bufs)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(5 * SLEEP_CYCLES)  # the "forward": no gather, so no piece, can finish meanwhile
+    ticket = eng.store(layout, layers, slots, bufs)
+    eng.fence()
+    for _ in range(3):
+        eng.pump()
+    full = C - 2 if eng.kernel else C  # with the kernel the partial first and last chunk go zero-copy
+    assert eng._paced.queued() == 2 and len(ticket.job.pieces) == full - 2 and ticket.job.event is None
+    assert not eng.done(ticket)
+    waiter = threading.Thread(target=eng.wait, args=(ticket,))  # as the store finisher does
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and eng.done(ticket)
+    assert eng._paced.idle() and ticket.job.pieces == deque()
+    assert torch.equal(_bits(torch.cat(bufs)), _bits(want))
 
 
 def test_out_of_range_slot_raises_before_anything_moves():

@@ -466,6 +466,18 @@ class WorkerSide(StorePath):
         self.fingerprint = meta.fingerprint
         self._idle = meta.idle
         self.engine.fence()
+        self.pump()
+
+    def pump(self) -> None:
+        """From vLLM's thread, at every hook it passes (each attention layer, a step's start and
+        end): the transfer engine issues more of its paced store DMAs.  Never raises: a DMA
+        that cannot be issued fails its store (its ticket), not vLLM's forward."""
+        if self.engine is None:
+            return
+        try:
+            self.engine.pump()
+        except Exception:
+            logger.exception("vllm-kvplugin: issuing paced store DMAs failed")
 
     # ------------------------------------------------------------------ results
     def take_invalid_blocks(self) -> set[int]:
@@ -474,6 +486,7 @@ class WorkerSide(StorePath):
 
     def take_meta(self) -> KVPluginWorkerMeta | None:
         """Every step, after it: what finished since the last one (verdicts, stores, loads)."""
+        self.pump()
         self._settle(wait=self._idle)
         self.finisher.take(self._meta)
         if self._meta.is_empty():

@@ -85,15 +85,20 @@ class StorePath:
                 counters.WORKER.add(server_store_errors=1)
                 self.server.abort([t.oid for t in remote])
             if private is not None:
-                self._give_back_after_failure(private)
+                self._give_back_after_failure(private, tickets)
             return
         self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
 
-    def _give_back_after_failure(self, private: torch.Tensor) -> None:
+    def _give_back_after_failure(self, private: torch.Tensor, tickets: list) -> None:
         """Staging room of a store that failed while it was issued: back once the device has
-        finished every copy issued before the failure (which may still write it); kept out of
-        use for good when even that cannot be known."""
+        finished every copy issued before the failure (which may still write it; the tickets'
+        paced copies issued first); kept out of use for good when even that cannot be known."""
         try:
+            for t in tickets:
+                try:
+                    self.engine.wait(t)
+                except RuntimeError:
+                    pass  # a DMA that failed to issue writes nothing
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception:

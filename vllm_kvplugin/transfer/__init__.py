@@ -13,6 +13,9 @@ Contract, for the worker (one thread, vLLM's worker thread):
 * :meth:`TransferEngine.fence` is called before the next step's forward is
   issued: from then on the compute stream does not overwrite any block a store
   still has to read (a freed block may be reused by the next step).
+* :meth:`TransferEngine.pump` may be called from any thread at any time, often
+  (vLLM's thread at every attention layer): it issues more of the stores' queued
+  copies and returns at once.  :meth:`TransferEngine.wait` pumps as well.
 * :meth:`TransferEngine.load` returns when the chunk bytes are in the paged
   cache as far as the compute stream is concerned (attention issued after
   the call reads them).
@@ -49,6 +52,8 @@ class TransferEngine(Protocol):
     def wait(self, ticket: Any) -> None: ...
 
     def fence(self) -> None: ...
+
+    def pump(self) -> None: ...
 
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None: ...
 

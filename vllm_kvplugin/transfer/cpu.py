@@ -31,6 +31,9 @@ class CpuTransfer:
     def fence(self) -> None:
         return None
 
+    def pump(self) -> None:
+        return None  # copies are done when issued
+
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
         return None  # nothing costs more the first time
 

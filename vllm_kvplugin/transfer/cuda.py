@@ -42,6 +42,11 @@ Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
   done (device-side waits); a host buffer that a pending load still reads is
   not overwritten by a later store's DMA before that read.
 
+Paced stores (``transfer/paced.py``): a store's DMAs wait in a queue that
+:meth:`CudaTransfer.pump` feeds to the copy engine a piece at a time, because
+vLLM's own small copies wait behind every DMA queued there.  A staging buffer
+whose store has pieces left is not handed out again until they are issued.
+
 Staging buffers are allocated outside vLLM's memory profile: a staged call
 needs one device buffer of its own size (``max_staging_buffers`` of them at
 most, ``staging_cap_bytes`` beyond the first).  By default the cap follows the
@@ -63,6 +68,7 @@ import torch
 
 from vllm_kvplugin import ops
 from vllm_kvplugin.layout.descriptor import KVLayout
+from vllm_kvplugin.transfer.paced import DmaJob, PacedCopies, Piece
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,10 @@ ZERO_COPY_MAX_CTAS = 64
 MAX_GROUPS = 8
 #: a prefetch is copied in this many equal pieces (a scatter waits only for its rows' piece)
 PREFETCH_PIECES = 8
+#: a store's DMAs go in pieces of whole chunks of about this many bytes (at least one chunk)
+DMA_PIECE_BYTES = 32 << 20
+#: at most this many store pieces queued on the copy engine at once (see "Paced stores")
+DMA_WINDOW = 1
 #: the automatic staging cap leaves at least this much of the device free
 STAGING_RESERVE_BYTES = 2 << 30
 
@@ -86,6 +96,7 @@ class _Staging:
     busy: torch.cuda.Event | None = None  # completes when its last user is done
     last_use: int = 0
     held: bool = False  # by a prefetch, until its load or release
+    pacing: DmaJob | None = None  # a store whose DMAs from it are not all issued yet
 
 
 class Prefetch:
@@ -111,12 +122,14 @@ class Prefetch:
 
 
 class StoreTicket:
-    """Completes when the chunk bytes are in the host buffers."""
+    """Completes when the chunk bytes are in the host buffers: after ``events`` and, for a
+    staged store, after its paced DMAs (``job``)."""
 
-    __slots__ = ("event", "nbytes", "path")
+    __slots__ = ("events", "job", "nbytes", "path")
 
-    def __init__(self, event: torch.cuda.Event, nbytes: int, path: str):
-        self.event = event
+    def __init__(self, events: list[torch.cuda.Event], nbytes: int, path: str, job: DmaJob | None = None):
+        self.events = events
+        self.job = job
         self.nbytes = nbytes
         self.path = path
 
@@ -161,7 +174,9 @@ class CudaTransfer:
                  load_zero_copy_max_bytes: int = LOAD_ZERO_COPY_MAX_BYTES,
                  zero_copy_max_ctas: int = ZERO_COPY_MAX_CTAS,
                  max_staging_buffers: int = 4,
-                 staging_cap_bytes: int | None = None):
+                 staging_cap_bytes: int | None = None,
+                 dma_piece_bytes: int | None = None,
+                 dma_window: int | None = None):
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -180,6 +195,8 @@ class CudaTransfer:
                            "transfer path uses the pure-torch ops (correct, slower)", info.describe())
         self.zc_max_ctas = zero_copy_max_ctas
         self.max_staging_buffers = max(1, max_staging_buffers)
+        self.dma_piece_bytes = DMA_PIECE_BYTES if dma_piece_bytes is None else dma_piece_bytes
+        self.dma_window = max(1, DMA_WINDOW if dma_window is None else dma_window)
         self._fixed_cap = staging_cap_bytes  # None: follows the device (see the module doc)
         with torch.cuda.device(device):
             self._kern = torch.cuda.Stream(device)  # gather / scatter kernels
@@ -189,6 +206,7 @@ class CudaTransfer:
         self._uses = 0
         self._pending_gathers: list[torch.cuda.Event] = []
         self._host_reads: dict[int, torch.cuda.Event] = {}
+        self._paced = PacedCopies(device, self._d2h, self.dma_window, self._to_host, self._issued)
 
     def __del__(self):
         # staging buffers may still be read or written by queued copies: let the
@@ -236,8 +254,8 @@ class CudaTransfer:
         """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``.  ``hold``:
         kept for a prefetch until released (never handed out meanwhile)."""
         self._uses += 1
-        free = [e for e in self._pool
-                if not e.held and e.tensor.numel() >= nbytes and (e.busy is None or e.busy.query())]
+        free = [e for e in self._pool if not e.held and e.pacing is None and e.tensor.numel() >= nbytes
+                and (e.busy is None or e.busy.query())]
         if free:
             e = min(free, key=lambda e: e.tensor.numel())
         else:
@@ -251,7 +269,9 @@ class CudaTransfer:
                 if not unheld:  # every buffer held by a prefetch: one more, beyond the counts
                     unheld = [_Staging(self._alloc(nbytes))]
                     self._pool.append(unheld[0])
-                e = min(unheld, key=lambda e: e.last_use)
+                e = min(unheld, key=lambda e: (e.pacing is not None, e.last_use))
+                if e.pacing is not None:  # its store's last DMAs first (their event becomes ``busy``)
+                    self._paced.drain(e.pacing)
                 if e.tensor.numel() < nbytes:
                     self._drop(e.tensor)
                     e.tensor = self._alloc(nbytes)
@@ -364,22 +384,20 @@ class CudaTransfer:
             self._kern.wait_event(ready)
             if nbytes <= self.store_zc_max:
                 done = self._store_zero_copy(layout, layers, slots, bufs)
-                return StoreTicket(done, nbytes, "zero-copy")
+                return StoreTicket([done], nbytes, "zero-copy")
             # A staged DMA moves whole chunks; a chunk with skipped tokens (-1) must keep
             # the host bytes of those tokens, so the kernel writes it straight to the host.
             partial = (slots < 0).any(dim=1)
-            zc_done = None
+            events = []
             if self.kernel and bool(partial.any()):
                 pidx = partial.nonzero().flatten().tolist()
                 fidx = (~partial).nonzero().flatten().tolist()
-                zc_done = self._store_zero_copy(layout, layers, slots[pidx], [bufs[i] for i in pidx])
+                events.append(self._store_zero_copy(layout, layers, slots[pidx], [bufs[i] for i in pidx]))
                 slots, bufs = slots[fidx], [bufs[i] for i in fidx]
-            if bufs:
-                self._store_staged(layout, layers, slots, bufs)
-            if zc_done is not None:
-                self._d2h.wait_event(zc_done)
-            done = self._event(self._d2h)
-            return StoreTicket(done, nbytes, "staged")
+            job = self._store_staged(layout, layers, slots, bufs) if bufs else None
+        if job is not None:
+            self._paced.submit(job)
+        return StoreTicket(events, nbytes, "staged", job)
 
     def _store_zero_copy(self, layout, layers, slots, bufs) -> torch.cuda.Event:
         """One kernel writes the chunks into the host buffers (after ``ready``)."""
@@ -390,8 +408,9 @@ class CudaTransfer:
         self._note_gather(done)
         return done
 
-    def _store_staged(self, layout, layers, slots, bufs) -> None:
-        """Gather into staging in groups, each group's DMAs queued as soon as it is gathered."""
+    def _store_staged(self, layout, layers, slots, bufs) -> DmaJob:
+        """Gather into staging in groups (issued now: the blocks are read before the next forward);
+        their DMAs queued as pieces for :meth:`pump`, each after its group's gather."""
         C, T = slots.shape
         nbytes = C * layout.chunk_nbytes(T)
         staging = self._acquire(nbytes)
@@ -402,25 +421,51 @@ class CudaTransfer:
             with torch.cuda.stream(self._kern):
                 for i in (slots < 0).any(dim=1).nonzero().flatten().tolist():
                     stage[i:i + 1].copy_(bufs[i], non_blocking=True)
+        job = DmaJob(staging)
+        per_piece = max(1, self.dma_piece_bytes // layout.chunk_nbytes(T))
         gathered = None
         for a, b in _groups(C):
             with torch.cuda.stream(self._kern):
                 self._gather(layout, layers, slots[a:b], [stage[a:b]], 0)
                 gathered = self._event(self._kern)
-            self._d2h.wait_event(gathered)
-            with torch.cuda.stream(self._d2h):
-                self._wait_host_reads(self._d2h, bufs[a:b])
-                self._to_host(stage[a:b], bufs[a:b])
+            for i in range(a, b, per_piece):
+                j = min(b, i + per_piece)
+                reads = [ev for ev in (self._host_reads.get(t.data_ptr()) for t in bufs[i:j]) if ev is not None]
+                job.pieces.append(Piece(gathered, reads, stage[i:j], list(bufs[i:j])))
         assert gathered is not None
         self._note_gather(gathered)
-        staging.busy = self._event(self._d2h)
+        staging.pacing = job
+        return job
+
+    def pump(self) -> None:
+        """Issue more paced store DMAs (``transfer/paced.py``); any thread, returns at once."""
+        self._paced.pump()
+
+    @staticmethod
+    def _issued(job: DmaJob) -> None:
+        """A store's last piece is issued: its staging buffer may be handed out again."""
+        job.staging.busy = job.event
+        job.staging.pacing = None
 
     def done(self, ticket: StoreTicket | None) -> bool:
-        return ticket is None or ticket.event.query()
+        if ticket is None:
+            return True
+        self.pump()
+        job = ticket.job
+        return (job is None or (job.event is not None and job.event.query())) and all(e.query() for e in ticket.events)
 
     def wait(self, ticket: StoreTicket | None) -> None:
-        if ticket is not None:
-            ticket.event.synchronize()
+        """Until the ticket's bytes are in the host buffers; raises if its DMAs could not be issued."""
+        if ticket is None:
+            return
+        job = ticket.job
+        if job is not None:
+            self._paced.drain(job)
+            job.event.synchronize()
+            if job.error is not None:
+                raise RuntimeError(f"vllm-kvplugin transfer: a store's DMA failed: {job.error}") from job.error
+        for e in ticket.events:
+            e.synchronize()
 
     def fence(self) -> None:
         """The compute stream waits until every issued store has read its blocks."""
