@@ -14,7 +14,7 @@ prompts in the same order:
 * ``kvplugin-hash8`` - ``kvplugin`` hashing on at most 8 host threads (not in the default set:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
-  default set; ``transfer/cuda.py``'s "Paced stores");
+  default set; ``transfer/paced.py``);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
