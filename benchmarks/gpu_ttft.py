@@ -184,8 +184,9 @@ def build_model() -> str:
 def _median_row(rows: list[dict]) -> dict:
     """A length's rows of every round as one: median cold and warm, the first round's stages."""
     out = dict(rows[0])
-    for k in ("cold_s", "warm_s"):
-        out[k] = round(statistics.median(r[k] for r in rows), 4)
+    for k in ("cold_s", "warm_s", "own_apc_s"):
+        if k in out:
+            out[k] = round(statistics.median(r[k] for r in rows), 4)
     return out
 
 
@@ -250,6 +251,11 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_bytes_per_s: 
         if kv_w and col("vllm-apc", "warm_s"):
             hit = col("kvplugin", "warm_cached_tokens")[0]
             pairs["kvplugin_warm_minus_apc_over_link"] = (kv_w, col("vllm-apc", "warm_s"), hit * bpt / link_bytes_per_s)
+        for mode, rows in by.items():  # against the same engine's own GPU prefix-cache hit
+            if rows and "own_apc_s" in rows[0]:
+                hit = col(mode, "warm_cached_tokens")[0]
+                pairs[f"{mode.replace('-', '_')}_warm_minus_own_apc_over_link"] = (
+                    col(mode, "warm_s"), col(mode, "own_apc_s"), hit * bpt / link_bytes_per_s)
         for name, (a, b, link) in pairs.items():
             if not a or not b:
                 continue

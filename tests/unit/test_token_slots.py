@@ -5,9 +5,10 @@ against a per-token reference written from the contract (block b holds tokens
 import random
 
 import pytest
+import torch
 
 from vllm_kvplugin.chunk.format import ChunkError
-from vllm_kvplugin.connector.worker import token_slots
+from vllm_kvplugin.connector.worker import slot_count, token_slots
 
 
 def reference(block_rows, block_size, tokens, skips, takes):
@@ -29,8 +30,10 @@ def test_matches_the_per_token_reference(seed):
     skips = [rng.randint(0, tokens) for _ in range(rows)]
     takes = [rng.randint(s, tokens) for s in skips]
     got = token_slots(block_rows, block_size, tokens, skips, takes)
-    assert got.shape == (rows, tokens)
-    assert got.tolist() == reference(block_rows, block_size, tokens, skips, takes)
+    want = reference(block_rows, block_size, tokens, skips, takes)
+    assert got.shape == (rows, tokens) and got.dtype == torch.int64
+    assert got.tolist() == want
+    assert slot_count(got) == sum(s >= 0 for row in want for s in row)
 
 
 def test_a_row_with_the_wrong_number_of_blocks_is_a_plan_error():

@@ -222,19 +222,22 @@ class CudaTransfer:
         if slots.dim() != 2 or slots.shape[0] != len(bufs):
             raise ValueError(f"slots must be [C={len(bufs)}, T], got {tuple(slots.shape)}")
         shape = (1, *layout.chunk_shape(slots.shape[1]))
+        pinned: set[int] = set()  # storages found page-locked (pool objects share a few)
         for i, b in enumerate(bufs):
             if tuple(b.shape) != shape or b.dtype != layout.dtype or not b.is_contiguous():
                 raise ValueError(f"host buffer {i} is {b.dtype} {tuple(b.shape)}, expected contiguous "
                                  f"{layout.dtype} {shape}")
-            if b.device.type != "cpu" or not b.is_pinned():
+            base = b.untyped_storage().data_ptr()
+            if b.device.type != "cpu" or (base not in pinned and not b.is_pinned()):
                 raise ValueError(f"host buffer {i} must be a page-locked CPU tensor")
+            pinned.add(base)
         if slots.device.type != "cpu":
             slots = slots.cpu()  # synchronizes; the worker passes host slots
         slots = slots.to(torch.int64).contiguous()
         # every slot is checked before the first copy is issued (the ops check again)
         limit = layout.num_blocks * layout.block_size
-        if slots.numel():
-            lo, hi = int(slots.min()), int(slots.max())
+        if slots.numel():  # numpy: torch's CPU reductions go to its thread pool (see token_slots)
+            lo, hi = int(slots.numpy().min()), int(slots.numpy().max())
             if lo < -1 or hi >= limit:
                 raise RuntimeError(
                     f"vllm-kvplugin transfer: slot {lo if lo < -1 else hi} is outside the cache "
