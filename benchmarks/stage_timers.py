@@ -106,20 +106,32 @@ class StageTimers:
             self._wrap_host(owner, name, stage)
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
-        orig_start = wmod.start_payload_checksums
+        orig_start, timed_fetch = wmod.start_payload_checksums, wmod.WorkerSide._fetch
 
-        def start(payloads):  # from the hashes' start until the last is in (a fetch's only)
+        def start(payloads):  # a fetch's hashes (it may start them in parts)
             sums = orig_start(payloads)
             if getattr(self._local, "in_fetch", False):
-                t0 = time.perf_counter()
+                if not self._local.verify_parts:
+                    self._local.verify_t0 = time.perf_counter()
+                self._local.verify_parts.append(sums)
+            return sums
 
-                def done():
+        def fetch(worker, *a, **k):  # verify: from its first hash's start until its last is in
+            self._local.verify_parts = []
+            try:
+                return timed_fetch(worker, *a, **k)
+            finally:
+                parts, t0 = self._local.verify_parts, getattr(self._local, "verify_t0", 0.0)
+                self._local.verify_parts = []
+
+                def done(t0=t0):
                     t1 = time.perf_counter()
                     self._host["verify"].append(t1 - t0)
                     self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
-                sums.when_done(done)
-            return sums
+                if parts:
+                    wmod.StartedChecksums.joined(parts).when_done(done)
         wmod.start_payload_checksums = start
+        wmod.WorkerSide._fetch = fetch
         gc.callbacks.append(self._on_gc)
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")

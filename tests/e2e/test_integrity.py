@@ -329,7 +329,8 @@ def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, t
 
 def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, int]]:
     """Every fetch's hashes forced onto threads of their own running ``hash_one``; returns the
-    scheduler's steps in order: ("meta", tokens scheduled), ("fetch", 0), ("verdict", good)."""
+    scheduler's steps in order: ("meta", tokens scheduled), ("fetch", 0), ("verdict", good), and
+    ("hashes", payloads) for each time a fetch started hashing."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm_kvplugin.chunk.checksums import StartedChecksums
@@ -338,8 +339,11 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
 
     events: list[tuple[str, int]] = []
     pool = ThreadPoolExecutor(2)
-    monkeypatch.setattr(wmod, "start_payload_checksums",
-                        lambda ps: StartedChecksums(ps, [pool.submit(hash_one, p) for p in ps]))
+
+    def start(ps):
+        events.append(("hashes", len(ps)))
+        return StartedChecksums(ps, [pool.submit(hash_one, p) for p in ps])
+    monkeypatch.setattr(wmod, "start_payload_checksums", start)
     build, update = smod.SchedulerSide.build_connector_meta, smod.SchedulerSide.update_connector_output
 
     def build_meta(self, so):
@@ -366,17 +370,23 @@ def _steps_to_verdict(events) -> list[int]:
     return [n for kind, n in events[fetch:verdict] if kind == "meta"]
 
 
-@pytest.mark.parametrize("fault", ["intact", "checksum"])
-def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fault):
+@pytest.mark.parametrize("fault,first", [("intact", None), ("checksum", None), ("checksum", 2), ("checksum", 4)])
+def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fault, first):
     """A hit's payload hashes run on the hashing threads and a step that has other work does
     not wait for them: the verdict reaches the scheduler with the metadata of a later step, and
     until then vLLM holds the hit back and runs its other requests.  Forced here (the fetch's
     hashes held until a new prompt sent along with the repeat of P has had six steps with
     tokens): P's verdict must come only after those steps, then P hits in full (intact) or only
     up to the chunk whose byte was flipped (counted as ``checksum``, the object dropped); both
-    outputs right on poisoned KV, and P again after."""
+    outputs right on poisoned KV, and P again after.  ``first``: the hashes of that many
+    objects start before the others are read (as for large objects, one per hashing thread),
+    the flipped chunk among the rest (2) or among them (4)."""
     from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import worker as wmod
 
+    if first is not None:
+        monkeypatch.setattr(wmod, "MAX_THREADS", first)
+        monkeypatch.setattr(wmod, "PARALLEL_MIN_BYTES", 0)
     q = prompt(3 * CHUNK + 5, seed=41)
     want_p, want_q = _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)
     gate = threading.Event()
@@ -401,6 +411,7 @@ def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fa
             events.clear()
             warm, other = generate(llm, [P, q])
             assert sum(1 for n in _steps_to_verdict(events) if n > 0) >= 6, events
+            assert [n for kind, n in events if kind == "hashes"] == ([8] if first is None else [first, 8 - first])
             hit = 8 if fault == "intact" else BAD
             assert ("verdict", hit) in events
             assert warm.token_ids == want_p and warm.num_cached_tokens == hit * CHUNK

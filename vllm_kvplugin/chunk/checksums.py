@@ -44,24 +44,37 @@ def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
 
 
 class StartedChecksums:
-    """The checksums of payloads, started by :func:`start_payload_checksums`."""
+    """The checksums of payloads, started by :func:`start_payload_checksums` (or several such,
+    :meth:`joined`).  ``futures``: one per payload, None for one hashed by :meth:`result` on the
+    asking thread (inputs too small for the threads); None instead of a list: every one so."""
 
-    def __init__(self, payloads: Sequence[memoryview], futures: list[Future] | None):
-        self._payloads = payloads
-        self._futures = futures
+    def __init__(self, payloads: Sequence[memoryview], futures: Sequence[Future | None] | None):
+        self._payloads = list(payloads)
+        self._futures = list(futures) if futures is not None else [None] * len(self._payloads)
+        if len(self._futures) != len(self._payloads):
+            raise ValueError(f"{len(self._futures)} futures for {len(self._payloads)} payloads")
+
+    @staticmethod
+    def joined(parts: Sequence[StartedChecksums]) -> StartedChecksums:
+        """One result of several started ones, in their order."""
+        return StartedChecksums([p for s in parts for p in s._payloads], [f for s in parts for f in s._futures])
+
+    def _threaded(self) -> list[Future]:
+        return [f for f in self._futures if f is not None]
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting for the hashing threads (inputs
         too small for them are hashed by ``result`` itself, on the calling thread)."""
-        return self._futures is None or all(f.done() for f in self._futures)
+        return all(f.done() for f in self._threaded())
 
     def when_done(self, callback: Callable[[], None]) -> None:
         """``callback()`` once every hash is in: now if they are, else on the hashing thread that
         finishes the last one."""
-        if self._futures is None:
+        threaded = self._threaded()
+        if not threaded:
             callback()
             return
-        left, lock = [len(self._futures)], threading.Lock()
+        left, lock = [len(threaded)], threading.Lock()
 
         def one_done(_f: Future) -> None:
             with lock:
@@ -69,14 +82,12 @@ class StartedChecksums:
                 last = left[0] == 0
             if last:
                 callback()
-        for f in self._futures:
+        for f in threaded:
             f.add_done_callback(one_done)
 
     def result(self) -> list[int]:
         """The checksums, in the payloads' order (waits for the hashing threads)."""
-        if self._futures is None:
-            return [payload_checksum(p) for p in self._payloads]
-        return [f.result() for f in self._futures]
+        return [f.result() if f is not None else payload_checksum(p) for p, f in zip(self._payloads, self._futures)]
 
 
 def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:

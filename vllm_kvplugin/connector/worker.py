@@ -38,6 +38,7 @@ import torch
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.checksums import (
+    MAX_THREADS,
     PARALLEL_MIN_BYTES,
     StartedChecksums,
     payload_checksums,
@@ -270,18 +271,29 @@ class WorkerSide(StorePath):
             self._resolve_remote(jobs, views)
         except TierTrouble as e:
             errors = [e.with_traceback(None) if j.lease else None for j in jobs]
+        # the objects' bytes, where their sizes are right; the host hashes them while the link
+        # moves them and the headers are checked (unverified bytes go into staging only; a load
+        # scatters verified objects alone).  The verdict waits for the last hash: those of the
+        # first objects start at once, so the hashing threads work while the rest are read.
         found: dict[int, tuple[bytes, memoryview, torch.Tensor]] = {}
-        for n, job in enumerate(jobs):  # the objects' bytes, where their sizes are right
-            if errors[n] is not None:
-                continue
-            try:
-                found[n] = self._object(job, views[n])
-            except ChunkError as e:
-                errors[n] = e.with_traceback(None)
-        # the host hashes them while the link moves them and the headers are checked (unverified
-        # bytes go into staging only; a load scatters verified objects alone)
-        order = list(found)
-        sums = start_payload_checksums([found[n][1] for n in order]) if self.cfg.verify_checksums else None
+        parts: list[StartedChecksums] = []
+        started = 0  # leading found objects whose hashes are started
+        verify = self.cfg.verify_checksums
+        for n, job in enumerate(jobs):
+            if errors[n] is None:
+                try:
+                    found[n] = self._object(job, views[n])
+                except ChunkError as e:
+                    errors[n] = e.with_traceback(None)
+            if verify and not started and len(found) == MAX_THREADS:
+                first = [data for _, data, _ in found.values()]
+                if sum(d.nbytes for d in first) >= PARALLEL_MIN_BYTES:  # enough for the threads
+                    parts.append(start_payload_checksums(first))
+                    started = len(first)
+        order = list(found)  # the jobs whose payloads are hashed, in that order
+        if verify and len(order) > started:
+            parts.append(start_payload_checksums([found[n][1] for n in order[started:]]))
+        sums = StartedChecksums.joined(parts) if verify else None
         self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
         checked: dict[int, tuple[int, torch.Tensor]] = {}
         for n, (header, data, tensor) in found.items():
