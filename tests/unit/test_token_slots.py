@@ -31,7 +31,7 @@ def test_matches_the_per_token_reference(seed):
     takes = [rng.randint(s, tokens) for s in skips]
     got = token_slots(block_rows, block_size, tokens, skips, takes)
     want = reference(block_rows, block_size, tokens, skips, takes)
-    assert got.shape == (rows, tokens) and got.dtype == torch.int64
+    assert got.shape == (rows, tokens) and got.dtype == torch.int64 and got.is_contiguous()
     assert got.tolist() == want
     assert slot_count(got) == sum(s >= 0 for row in want for s in row)
 

@@ -95,7 +95,7 @@ def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: in
     skip = np.asarray(skips, dtype=np.int64).reshape(-1, 1)
     take = np.asarray(takes, dtype=np.int64).reshape(-1, 1)
     slots[(t < skip) | (t >= take)] = -1
-    return torch.from_numpy(slots)
+    return torch.from_numpy(np.ascontiguousarray(slots))  # the column gather left it column-major
 
 
 def slot_count(slots: torch.Tensor) -> int:
