@@ -237,7 +237,8 @@ class CudaTransfer:
         # every slot is checked before the first copy is issued (the ops check again)
         limit = layout.num_blocks * layout.block_size
         if slots.numel():  # numpy: torch's CPU reductions go to its thread pool (see token_slots)
-            lo, hi = int(slots.numpy().min()), int(slots.numpy().max())
+            flat = slots.numpy()
+            lo, hi = int(flat.min()), int(flat.max())
             if lo < -1 or hi >= limit:
                 raise RuntimeError(
                     f"vllm-kvplugin transfer: slot {lo if lo < -1 else hi} is outside the cache "
