@@ -7,6 +7,8 @@ Run on the H200 with vLLM's GPU wheel (``bash compat/gpulane/bench.sh serving``)
 * ``baseline`` - no connector;
 * ``kvplugin`` - KVPluginConnector, in-process tier;
 * ``kvplugin-server`` - KVPluginConnector through a ``vllm-kvplugin server`` process;
+* ``kvplugin-storehash16`` - ``kvplugin`` hashing its stores on up to 16 threads at the engine's
+  priority, as before 2026-12-03 (not in the default set; ``gpu_ttft.mode_knobs``);
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (not in the default set: a fourth
   engine and its pinned memory are more than the H200 machine holds beside the others).
 
@@ -45,7 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, transfer_config  # noqa: E402
+from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, mode_knobs, transfer_config  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
 from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
 
@@ -93,6 +95,7 @@ def run_resident(mode: str, args) -> None:
     if args.timeline:
         from stage_timers import StageTimers
         timers = StageTimers().install()
+    mode_knobs(mode)
     ktc = transfer_config(mode, args.chunk, args.host_bytes, args.server)
     if ktc is not None and mode.startswith("kvplugin"):
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes

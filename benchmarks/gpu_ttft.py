@@ -15,6 +15,8 @@ prompts in the same order:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
   default set; ``transfer/paced.py``);
+* ``kvplugin-storehash16`` - ``kvplugin`` hashing its stores on up to 16 threads at the engine's
+  priority (before 2026-12-03: not in the default set; ``chunk/checksums.py``);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -85,6 +87,20 @@ def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
     return None
 
 
+def mode_knobs(mode: str) -> None:
+    """In a mode's child, before its engine: the plugin's module constants that mode changes
+    (each read when the engine registers)."""
+    from vllm_kvplugin.chunk import checksums
+    from vllm_kvplugin.transfer import cuda
+
+    if mode == "kvplugin-hash8":  # a hit's hashes on at most 8 threads
+        checksums.MAX_THREADS = 8
+    if mode == "kvplugin-storehash16":  # stores hashed as hits are: every core, the same priority
+        checksums.STORE_THREADS, checksums.STORE_NICE = 16, 0
+    if mode.startswith("kvplugin-w"):  # kvplugin-wN: N paced store DMAs on the copy engine at once
+        cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])
+
+
 def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):
     """A mode's engine and its stage timers (None without CUDA), in a child process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -94,14 +110,7 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
     from vllm import LLM
 
     timers = StageTimers().install() if torch.cuda.is_available() else None
-    if mode == "kvplugin-hash8":
-        from vllm_kvplugin.chunk import checksums
-
-        checksums.MAX_THREADS = 8  # read when the hashing pool is made (at registration)
-    if mode.startswith("kvplugin-w"):  # kvplugin-wN: N paced store DMAs on the copy engine at once
-        from vllm_kvplugin.transfer import cuda
-
-        cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])  # read when the transfer engine is made
+    mode_knobs(mode)
     ktc = transfer_config(mode, args.chunk, args.host_bytes, server)
     if ktc is not None and mode.startswith("kvplugin") and args.gpu_staging_bytes is not None:
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
@@ -184,7 +193,7 @@ def build_model() -> str:
 def _median_row(rows: list[dict]) -> dict:
     """A length's rows of every round as one: median cold and warm, the first round's stages."""
     out = dict(rows[0])
-    for k in ("cold_s", "warm_s", "own_apc_s"):
+    for k in ("cold_s", "warm_s", "first_warm_s", "own_apc_s"):
         if k in out:
             out[k] = round(statistics.median(r[k] for r in rows), 4)
     return out

@@ -58,8 +58,12 @@ def _swapped_headers(probe, monkeypatch, slots):
 
 def _short_read(probe, monkeypatch, slots):
     pool = probe.worker.pool
-    orig = type(pool).payload
-    monkeypatch.setattr(type(pool), "payload", lambda self, g, s: orig(self, g, s).reshape(-1)[:-100])
+    orig = type(pool).views
+
+    def short(self, g, s):
+        data, payload = orig(self, g, s)
+        return data[:-100], payload.reshape(-1)[:-100]
+    monkeypatch.setattr(type(pool), "views", short)
 
 
 def _copy_error(probe, monkeypatch, slots):

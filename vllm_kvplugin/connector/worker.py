@@ -191,7 +191,8 @@ class WorkerSide(StorePath):
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
             if self.groups[g].kind is not GroupKind.RECURRENT:
                 self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
-        payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2)  # the hashing threads
+        for background in (False, True):  # the hashing threads of hits and of stores
+            payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2, background)
         num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
         pin = self.device.type == "cuda"
         self.pool = LocalPool([self._shape(g) for g in range(len(self.groups))],
@@ -357,17 +358,20 @@ class WorkerSide(StorePath):
         the local pool or from its server lease view; a payload of the wrong size is an error."""
         if job.lease:
             header, payload = view
+            data = bytes_of(payload)
         else:
             if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
                 raise ChunkError("missing", f"slot {job.slot} outside the pool")
-            header, payload = self.pool.header(job.group, job.slot), self.pool.payload(job.group, job.slot)
+            header = self.pool.header(job.group, job.slot)
             if header is None:
                 raise ChunkError("missing", f"slot {job.slot} holds no object")
+            data, payload = self.pool.views(job.group, job.slot)  # made once per slot
         shape, dtype = self._shape(job.group), self._dtype(job.group)
-        data = bytes_of(payload)
         want = math.prod(shape) * dtype.itemsize
         if data.nbytes != want:
             raise ChunkError("short_read", f"payload has {data.nbytes} of {want} bytes")
+        if not job.lease:  # the pool's objects have the group's shape and dtype
+            return header, data, payload
         return header, data, payload.view(dtype).view(1, *shape)
 
     def _prefetch(self, req: FetchRequest, found: dict[int, torch.Tensor]) -> dict[int, tuple[Any, dict[int, int]]]:

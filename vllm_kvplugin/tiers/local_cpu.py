@@ -167,10 +167,20 @@ class LocalPool:
             for shape, dt in zip(chunk_shapes, dtypes)
         ]
         self.headers: list[list[bytes | None]] = [[None] * num_slots for _ in chunk_shapes]
+        self._views: list[list[tuple[memoryview, torch.Tensor] | None]] = [[None] * num_slots for _ in chunk_shapes]
 
     def payload(self, group: int, slot: int) -> torch.Tensor:
         """The slot's object as ``[1, *object shape]`` (attention: ``[1, L, KV, T, H, D]``)."""
         return self.payloads[group][slot:slot + 1]
+
+    def views(self, group: int, slot: int) -> tuple[memoryview, torch.Tensor]:
+        """The slot's payload bytes and :meth:`payload`, made once per slot (the pool never
+        moves): a fetch reads every object of a hit on vLLM's thread before its copy starts."""
+        v = self._views[group][slot]
+        if v is None:
+            t = self.payload(group, slot)
+            v = self._views[group][slot] = (memoryview(t.reshape(-1).view(torch.uint8).numpy()), t)
+        return v
 
     def set_header(self, group: int, slot: int, header: bytes | None) -> None:
         assert header is None or len(header) == HEADER_SIZE
