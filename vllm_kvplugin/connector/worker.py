@@ -275,7 +275,8 @@ class WorkerSide(StorePath):
         # the objects' bytes, where their sizes are right; the host hashes them while the link
         # moves them and the headers are checked (unverified bytes go into staging only; a load
         # scatters verified objects alone).  The verdict waits for the last hash: those of the
-        # first objects start at once, so the hashing threads work while the rest are read.
+        # first objects start at once, so the hashing threads work while the rest are read and
+        # their copy is issued.
         found: dict[int, tuple[bytes, memoryview, torch.Tensor]] = {}
         parts: list[StartedChecksums] = []
         started = 0  # leading found objects whose hashes are started
@@ -291,11 +292,12 @@ class WorkerSide(StorePath):
                 if sum(d.nbytes for d in first) >= PARALLEL_MIN_BYTES:  # enough for the threads
                     parts.append(start_payload_checksums(first))
                     started = len(first)
+        # the copy goes first: the first hashes keep the threads busy while the rest are queued
+        self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
         order = list(found)  # the jobs whose payloads are hashed, in that order
         if verify and len(order) > started:
             parts.append(start_payload_checksums([found[n][1] for n in order[started:]]))
         sums = StartedChecksums.joined(parts) if verify else None
-        self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
         checked: dict[int, tuple[int, torch.Tensor]] = {}
         for n, (header, data, tensor) in found.items():
             job = jobs[n]

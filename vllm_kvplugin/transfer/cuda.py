@@ -218,12 +218,15 @@ class CudaTransfer:
             pass
 
     # ------------------------------------------------------------------ helpers
-    def _check(self, layout: KVLayout, slots: torch.Tensor, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _check(self, layout: KVLayout, slots: torch.Tensor, bufs: Sequence[torch.Tensor],
+               read: bool = True) -> torch.Tensor:
+        """The slots as a host int64 tensor, each inside the cache; ``read``: the host buffers
+        are copied too (their shapes and page-locking checked; a staged load reads none)."""
         if slots.dim() != 2 or slots.shape[0] != len(bufs):
             raise ValueError(f"slots must be [C={len(bufs)}, T], got {tuple(slots.shape)}")
         shape = (1, *layout.chunk_shape(slots.shape[1]))
         pinned: set[int] = set()  # storages found page-locked (pool objects share a few)
-        for i, b in enumerate(bufs):
+        for i, b in enumerate(bufs if read else ()):
             if tuple(b.shape) != shape or b.dtype != layout.dtype or not b.is_contiguous():
                 raise ValueError(f"host buffer {i} is {b.dtype} {tuple(b.shape)}, expected contiguous "
                                  f"{layout.dtype} {shape}")
@@ -547,7 +550,7 @@ class CudaTransfer:
         if not bufs:
             return
         if staged is not None and self.kernel:
-            self._load_staged(layout, layers, self._check(layout, slots, bufs), *staged)
+            self._load_staged(layout, layers, self._check(layout, slots, bufs, read=False), *staged)
             return
         slots = self._check(layout, slots, bufs)
         C, T = slots.shape
