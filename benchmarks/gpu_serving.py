@@ -7,8 +7,6 @@ Run on the H200 with vLLM's GPU wheel (``bash compat/gpulane/bench.sh serving``)
 * ``baseline`` - no connector;
 * ``kvplugin`` - KVPluginConnector, in-process tier;
 * ``kvplugin-server`` - KVPluginConnector through a ``vllm-kvplugin server`` process;
-* ``kvplugin-storehash16`` - ``kvplugin`` hashing its stores on up to 16 threads at the engine's
-  priority, as before 2026-12-03 (not in the default set; ``gpu_ttft.mode_knobs``);
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (not in the default set: a fourth
   engine and its pinned memory are more than the H200 machine holds beside the others).
 

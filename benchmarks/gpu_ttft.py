@@ -15,8 +15,6 @@ prompts in the same order:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
   default set; ``transfer/paced.py``);
-* ``kvplugin-storehash16`` - ``kvplugin`` hashing its stores on up to 16 threads at the engine's
-  priority (before 2026-12-03: not in the default set; ``chunk/checksums.py``);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -95,8 +93,6 @@ def mode_knobs(mode: str) -> None:
 
     if mode == "kvplugin-hash8":  # a hit's hashes on at most 8 threads
         checksums.MAX_THREADS = 8
-    if mode == "kvplugin-storehash16":  # stores hashed as hits are: every core, the same priority
-        checksums.STORE_THREADS, checksums.STORE_NICE = 16, 0
     if mode.startswith("kvplugin-w"):  # kvplugin-wN: N paced store DMAs on the copy engine at once
         cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])
 

@@ -125,30 +125,3 @@ def test_when_done_calls_back_once_after_the_last_hash(monkeypatch):
     small = checksums.start_payload_checksums(_payloads(2, 16))
     small.when_done(lambda: calls.append("now"))
     assert calls == [True, "now"]
-
-
-def test_stores_hash_on_a_few_nicer_threads(monkeypatch):
-    """The background pool: its own threads (not the hits' pool), at most STORE_THREADS and
-    the cores, each at the process's priority plus STORE_NICE; the same values."""
-    seen: dict[int, tuple[str, int]] = {}  # native id -> (thread name, nice)
-
-    def record(p):
-        tid = threading.get_native_id()
-        seen[tid] = (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid))
-        return payload_checksum(p)
-    monkeypatch.setattr(checksums, "payload_checksum", record)
-    ps = _payloads(12, 1 << 20)
-    want = [payload_checksum(p) for p in ps]
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    nicer = min(19, base + checksums.STORE_NICE)
-    dsts = [memoryview(bytearray(p.nbytes)) for p in ps]
-    assert checksums.payload_checksums(ps, background=True) == want
-    assert checksums.hash_then_copy(ps, dsts, background=True) == want
-    assert all(bytes(d) == bytes(p) for d, p in zip(dsts, ps))
-    assert seen and threading.get_native_id() not in seen
-    assert all(name.startswith("kvplugin-xxh3-store") and nice == nicer for name, nice in seen.values())
-    assert len(seen) <= max(1, min(checksums.STORE_THREADS, len(os.sched_getaffinity(0))))
-    seen.clear()
-    assert checksums.payload_checksums(ps) == want  # a hit's: the foreground pool, not nicer
-    assert seen and all(not name.startswith("kvplugin-xxh3-store") and nice == base
-                        for name, nice in seen.values())

@@ -4,12 +4,6 @@ xxh3 releases the GIL on large inputs, so the chunks of one load or store are
 hashed in parallel: on the H200's host one thread hashed a 16k-token load
 (2.4 GB) slower than the PCIe link moved it.  Same values as
 :func:`~vllm_kvplugin.chunk.format.payload_checksum`, in the input order.
-
-Two pools per process: the *foreground* one (every core, up to :data:`MAX_THREADS`) for a
-hit's verdict, which a request waits for, and a *background* one for stores (the store
-finisher's), which nobody waits for: a few threads (:data:`STORE_THREADS`) at a lower
-priority (:data:`STORE_NICE`), so that hashing a serving batch's stores never takes a core
-from vLLM's own thread, whose launches bound an eager engine's steps.
 """
 
 from __future__ import annotations
@@ -26,46 +20,27 @@ from vllm_kvplugin.chunk.format import payload_checksum
 #: below this many bytes in all, one thread (a thread hop costs more than it saves)
 PARALLEL_MIN_BYTES = 8 << 20
 MAX_THREADS = 16  # a GPU host's cores hash while the link moves the same bytes
-#: the background (store) pool: at most this many threads
-STORE_THREADS = 4
-#: the background pool's threads run this much nicer than the process (Linux, per thread)
-STORE_NICE = 10
 
 _lock = threading.Lock()
-_pools: dict[bool, tuple[int, ThreadPoolExecutor]] = {}  # background? -> (pid, pool)
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _nicer() -> None:
-    """In a background hashing thread: lower its own priority (best effort)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STORE_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority as the rest
-        pass
-
-
-def _executor(background: bool = False) -> ThreadPoolExecutor:
-    """One pool of each kind per process (a forked child makes its own)."""
+def _executor() -> ThreadPoolExecutor:
+    """One pool per process (a forked child makes its own)."""
+    global _pool, _pool_pid
     with _lock:
-        pid, pool = _pools.get(background, (-1, None))
-        if pool is None or pid != os.getpid():
-            if background:
-                n = max(1, min(STORE_THREADS, _cores()))
-                pool = ThreadPoolExecutor(n, thread_name_prefix="kvplugin-xxh3-store",
-                                          initializer=_nicer if STORE_NICE else None)
-            else:
-                pool = ThreadPoolExecutor(max(1, min(MAX_THREADS, _cores())), thread_name_prefix="kvplugin-xxh3")
-            _pools[background] = (os.getpid(), pool)
-        return pool
+        if _pool is None or _pool_pid != os.getpid():
+            n = max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                           else (os.cpu_count() or 1)))
+            _pool = ThreadPoolExecutor(n, thread_name_prefix="kvplugin-xxh3")
+            _pool_pid = os.getpid()
+        return _pool
 
 
-def payload_checksums(payloads: Sequence[memoryview], background: bool = False) -> list[int]:
-    """``payload_checksum`` of each payload; several threads when they are large and many
-    (``background``: the store pool's, see the module doc)."""
-    return start_payload_checksums(payloads, background).result()
+def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
+    """``payload_checksum`` of each payload; several threads when they are large and many."""
+    return start_payload_checksums(payloads).result()
 
 
 class StartedChecksums:
@@ -115,14 +90,13 @@ class StartedChecksums:
         return [f.result() if f is not None else payload_checksum(p) for p, f in zip(self._payloads, self._futures)]
 
 
-def start_payload_checksums(payloads: Sequence[memoryview], background: bool = False) -> StartedChecksums:
+def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:
     """:func:`payload_checksums`, started on the hashing threads now.  The caller works
     meanwhile and must not change the payloads before the result is in.  Small inputs are
     hashed when the result is asked for, on the asking thread."""
     if len(payloads) < 2 or sum(p.nbytes for p in payloads) < PARALLEL_MIN_BYTES:
         return StartedChecksums(payloads, None)
-    pool = _executor(background)
-    return StartedChecksums(payloads, [pool.submit(payload_checksum, p) for p in payloads])
+    return StartedChecksums(payloads, [_executor().submit(payload_checksum, p) for p in payloads])
 
 
 def _hash_then_copy(pair: tuple[memoryview, memoryview]) -> int:
@@ -132,14 +106,13 @@ def _hash_then_copy(pair: tuple[memoryview, memoryview]) -> int:
     return checksum
 
 
-def hash_then_copy(srcs: Sequence[memoryview], dsts: Sequence[memoryview], background: bool = False) -> list[int]:
+def hash_then_copy(srcs: Sequence[memoryview], dsts: Sequence[memoryview]) -> list[int]:
     """``payload_checksum`` of each source, each then copied into its destination (same size):
-    the checksums vouch for the sources, whatever happens to the destinations meanwhile.
-    ``background``: on the store pool (see the module doc)."""
+    the checksums vouch for the sources, whatever happens to the destinations meanwhile."""
     if len(srcs) != len(dsts) or any(s.nbytes != d.nbytes for s, d in zip(srcs, dsts)):
         raise ValueError(f"hash_then_copy: source sizes {[s.nbytes for s in srcs]} "
                          f"!= destination sizes {[d.nbytes for d in dsts]}")
     pairs = list(zip(srcs, dsts))
     if len(pairs) < 2 or sum(s.nbytes for s in srcs) < PARALLEL_MIN_BYTES:
         return [_hash_then_copy(p) for p in pairs]
-    return list(_executor(background).map(_hash_then_copy, pairs))
+    return list(_executor().map(_hash_then_copy, pairs))

@@ -191,8 +191,7 @@ class WorkerSide(StorePath):
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
             if self.groups[g].kind is not GroupKind.RECURRENT:
                 self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
-        for background in (False, True):  # the hashing threads of hits and of stores
-            payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2, background)
+        payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2)  # the hashing threads
         num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
         pin = self.device.type == "cuda"
         self.pool = LocalPool([self._shape(g) for g in range(len(self.groups))],

@@ -148,7 +148,7 @@ class StorePath:
     def _finish_now(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         payloads = [bytes_of(self.pool.payload(j.group, j.slot)) for j in entry.local]
         nbytes = sum(p.nbytes for p in payloads)
-        for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads, background=True)):
+        for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads)):
             header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
             self.pool.set_header(job.group, job.slot, header.pack())
         nbytes += self._publish(entry.remote, entry.sources)
@@ -165,7 +165,7 @@ class StorePath:
             return 0
         payloads = [bytes_of(s) for s in sources]
         try:
-            checksums = hash_then_copy(payloads, [bytes_of(t.payload) for t in remote], background=True)
+            checksums = hash_then_copy(payloads, [bytes_of(t.payload) for t in remote])
             for t, payload, checksum in zip(remote, payloads, checksums):
                 header = ChunkHeader.for_payload(self._expect(t.job.group, t.job.key, t.job.position),
                                                  payload, checksum)

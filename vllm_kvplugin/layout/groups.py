@@ -76,8 +76,7 @@ class GroupSpec:
         """Bytes one token occupies in a chunk object (0 for recurrent groups)."""
         if self.kind is GroupKind.RECURRENT:
             return 0
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * self.num_kv * self.num_heads * self.head_size * esize
+        return self.num_layers * self.num_kv * self.num_heads * self.head_size * self.dtype.itemsize
 
     @property
     def state_bytes(self) -> int:
