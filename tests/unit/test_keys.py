@@ -63,6 +63,18 @@ def test_stable_value():
     assert chunk_keys(FP, tokens.tolist(), 16) == [want] and len(want) == KEY_SIZE
 
 
+def test_token_ids_as_list_tuple_or_array_give_one_key_and_bad_ids_are_refused():
+    """A prompt's ids (vLLM: a list) give the same keys however they come; ids outside
+    [0, 2**31) are refused, never wrapped into another prompt's key."""
+    ids = np.random.default_rng(1).integers(0, 2**31 - 1, 1024).tolist()
+    want = chunk_keys(FP, np.asarray(ids, dtype=np.int64), 256)
+    assert chunk_keys(FP, ids, 256) == want == chunk_keys(FP, tuple(ids), 256)
+    assert chunk_keys(FP, [np.int64(i) for i in ids], 256) == want
+    for bad in ([1, -1], [2**31], np.array([1, -1]), np.array([2**31]), [1.5]):
+        with pytest.raises(ValueError, match="int32"):
+            chunk_keys(FP, bad, 1)
+
+
 @pytest.mark.parametrize("a,b", [
     # fields joined without lengths used to run into each other
     (KeyExtras(lora_name="x\x00salt\x00y", cache_salt=""), KeyExtras(lora_name="x", cache_salt="y\x00salt\x00")),

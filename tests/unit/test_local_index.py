@@ -73,3 +73,21 @@ def test_clear_forgets_pinned_and_pending_objects():
     assert idx.state(a) is not SlotState.FREE
     idx.unpin(a)
     assert idx.state(a) is SlotState.FREE
+
+
+def test_pool_views_are_the_slots_bytes_made_once():
+    """``LocalPool.views``: the slot's payload as bytes and as ``[1, *shape]``, the same memory
+    as ``payload`` (a write through one is seen through the others), the same objects each time."""
+    import torch
+
+    from vllm_kvplugin.tiers.local_cpu import LocalPool
+
+    pool = LocalPool([(2, 2, 4, 1, 8)], [torch.bfloat16], 3, pin_memory=False)
+    data, tensor = pool.views(0, 1)
+    assert pool.views(0, 1)[0] is data and pool.views(0, 1)[1] is tensor
+    assert tuple(tensor.shape) == (1, 2, 2, 4, 1, 8) and tensor.dtype == torch.bfloat16
+    assert data.nbytes == tensor.numel() * 2
+    pool.payloads[0].zero_()
+    pool.payload(0, 1).view(-1).view(torch.uint8)[5] = 0xA7
+    assert data[5] == 0xA7 and tensor.view(-1).view(torch.uint8)[5] == 0xA7
+    assert not any(pool.views(0, s)[0].tobytes().strip(b"\0") for s in (0, 2))  # slot 1's alone
