@@ -63,7 +63,7 @@ from vllm_kvplugin.connector.metadata import (
     LoadRequest,
     StoreJob,
 )
-from vllm_kvplugin.connector.worker_stores import StorePath, bytes_of
+from vllm_kvplugin.connector.worker_stores import StorePath
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.layout.state import (
@@ -72,7 +72,7 @@ from vllm_kvplugin.layout.state import (
     check_state,
     scatter_state,
 )
-from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
+from vllm_kvplugin.tiers.local_cpu import LocalPool, bytes_of, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
 from vllm_kvplugin.transfer import TransferEngine, engine_for
 from vllm_kvplugin.transfer.host_buffers import HostBuffers

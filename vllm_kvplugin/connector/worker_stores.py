@@ -25,14 +25,10 @@ from vllm_kvplugin.connector.finisher import PendingStore
 from vllm_kvplugin.connector.metadata import KVPluginMetadata, StoreJob
 from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.layout.state import gather_state
+from vllm_kvplugin.tiers.local_cpu import bytes_of
 from vllm_kvplugin.tiers.mp import ServerTarget, TierTrouble
 
 logger = logging.getLogger(__name__)
-
-
-def bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class StorePath:

@@ -152,6 +152,11 @@ class LocalIndex:
                 self.drop(s)
 
 
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 class LocalPool:
     """Worker-side bytes of the local CPU tier: per group ``[slots, *object shape]`` plus headers.
 
@@ -179,7 +184,7 @@ class LocalPool:
         v = self._views[group][slot]
         if v is None:
             t = self.payload(group, slot)
-            v = self._views[group][slot] = (memoryview(t.reshape(-1).view(torch.uint8).numpy()), t)
+            v = self._views[group][slot] = (bytes_of(t), t)
         return v
 
     def set_header(self, group: int, slot: int, header: bytes | None) -> None:

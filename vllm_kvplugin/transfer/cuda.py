@@ -224,16 +224,8 @@ class CudaTransfer:
         are copied too (their shapes and page-locking checked; a staged load reads none)."""
         if slots.dim() != 2 or slots.shape[0] != len(bufs):
             raise ValueError(f"slots must be [C={len(bufs)}, T], got {tuple(slots.shape)}")
-        shape = (1, *layout.chunk_shape(slots.shape[1]))
-        pinned: set[int] = set()  # storages found page-locked (pool objects share a few)
-        for i, b in enumerate(bufs if read else ()):
-            if tuple(b.shape) != shape or b.dtype != layout.dtype or not b.is_contiguous():
-                raise ValueError(f"host buffer {i} is {b.dtype} {tuple(b.shape)}, expected contiguous "
-                                 f"{layout.dtype} {shape}")
-            base = b.untyped_storage().data_ptr()
-            if b.device.type != "cpu" or (base not in pinned and not b.is_pinned()):
-                raise ValueError(f"host buffer {i} must be a page-locked CPU tensor")
-            pinned.add(base)
+        if read:
+            self._check_host(layout, slots.shape[1], bufs)
         if slots.device.type != "cpu":
             slots = slots.cpu()  # synchronizes; the worker passes host slots
         slots = slots.to(torch.int64).contiguous()
@@ -247,6 +239,20 @@ class CudaTransfer:
                     f"vllm-kvplugin transfer: slot {lo if lo < -1 else hi} is outside the cache "
                     f"({layout.num_blocks} blocks of {layout.block_size} tokens)")
         return slots
+
+    @staticmethod
+    def _check_host(layout: KVLayout, tokens: int, bufs: Sequence[torch.Tensor]) -> None:
+        """Each host buffer one contiguous, page-locked chunk object of ``tokens`` tokens."""
+        shape = (1, *layout.chunk_shape(tokens))
+        pinned: set[int] = set()  # storages found page-locked (pool objects share a few)
+        for i, b in enumerate(bufs):
+            if tuple(b.shape) != shape or b.dtype != layout.dtype or not b.is_contiguous():
+                raise ValueError(f"host buffer {i} is {b.dtype} {tuple(b.shape)}, expected contiguous "
+                                 f"{layout.dtype} {shape}")
+            base = b.untyped_storage().data_ptr()
+            if b.device.type != "cpu" or (base not in pinned and not b.is_pinned()):
+                raise ValueError(f"host buffer {i} must be a page-locked CPU tensor")
+            pinned.add(base)
 
     @property
     def staging_cap_bytes(self) -> int:
