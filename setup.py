@@ -32,7 +32,7 @@ def _extensions():
         print("vllm-kvplugin: torch not importable at build time; building without kernels "
               "(install with --no-build-isolation next to vLLM to build them)")
         return [], {}
-    sources = ["csrc/kvplugin_ops.cpp"]
+    sources = ["csrc/kvplugin_ops.cpp", "csrc/digests.cpp"]
     cxx = ["-O3", "-std=c++17"]
     want_cuda = _want("KVPLUGIN_BUILD_CUDA")
     has_cuda = torch.version.cuda is not None and ce.CUDA_HOME is not None
@@ -48,7 +48,7 @@ def _extensions():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0;10.0+PTX"
         ext = ce.CUDAExtension(
             "vllm_kvplugin._C",
-            sources + ["csrc/cuda/kvplugin_cuda.cu", "csrc/cuda/kvplugin_cuda_ops.cpp"],
+            sources + ["csrc/cuda/kvplugin_cuda.cu", "csrc/cuda/kvplugin_cuda_ops.cpp", "csrc/cuda/digests.cu"],
             extra_compile_args={"cxx": cxx + ["-DKVPLUGIN_WITH_CUDA"],
                                 "nvcc": ["-O3", "-std=c++17", "-DKVPLUGIN_WITH_CUDA",
                                          "--use_fast_math", "-lineinfo"]},

@@ -25,8 +25,8 @@ def main() -> None:
     build.mkdir(parents=True, exist_ok=True)
     ce.load(
         name="_C",
-        sources=[str(ROOT / "csrc" / "kvplugin_ops.cpp"), str(ROOT / "csrc" / "cuda" / "kvplugin_cuda.cu"),
-                 str(ROOT / "csrc" / "cuda" / "kvplugin_cuda_ops.cpp")],
+        sources=[str(ROOT / "csrc" / f) for f in ("kvplugin_ops.cpp", "digests.cpp", "cuda/kvplugin_cuda.cu",
+                                                  "cuda/kvplugin_cuda_ops.cpp", "cuda/digests.cu")],
         extra_cflags=["-O3", "-std=c++17", "-DKVPLUGIN_WITH_CUDA"],
         extra_cuda_cflags=["-O3", "-std=c++17", "-DKVPLUGIN_WITH_CUDA", "--use_fast_math", "-lineinfo"],
         build_directory=str(build),

@@ -7,9 +7,11 @@
 * ``forward``   - the model runner's ``execute_model`` (CUDA events on the compute stream);
 * ``fetch``     - the worker's fetch of a held-back hit: header checks, hashing, the prefetch
   issued (host wall time);
-* ``verify``    - a fetch's payload hashes, from their start until the last is in (host wall
-  time; they run on the hashing threads while the engine goes on);
+* ``verify``    - a fetch's payload hashes or device digests, from their start until the last
+  is in (host wall time; they run on the hashing threads or the device while the engine goes on);
 * ``h2d``       - the prefetch's copy over the link (CUDA events on the engine's H2D stream);
+* ``digest``    - the prefetch's payload digests on the device, from their issue (they wait for
+  the copy) until their values are on the host (CUDA events on the engine's digest stream);
 * ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
   ``scatter`` is the part from the device staging into the paged cache;
 * ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued);
@@ -88,6 +90,7 @@ class StageTimers:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+        from vllm_kvplugin.chunk.checksums import join_checksums
         from vllm_kvplugin.connector import worker as wmod
         from vllm_kvplugin.connector.scheduler import SchedulerSide
         from vllm_kvplugin.transfer.cuda import CudaTransfer
@@ -106,15 +109,20 @@ class StageTimers:
             self._wrap_host(owner, name, stage)
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
-        orig_start, timed_fetch = wmod.start_payload_checksums, wmod.WorkerSide._fetch
+        orig_start, orig_digest, timed_fetch = wmod.start_payload_checksums, CudaTransfer.digest, wmod.WorkerSide._fetch
 
-        def start(payloads):  # a fetch's hashes (it may start them in parts)
-            sums = orig_start(payloads)
-            if getattr(self._local, "in_fetch", False):
+        def note(sums):  # a fetch's hashes or device digests (it may start them in parts)
+            if sums is not None and getattr(self._local, "in_fetch", False):
                 if not self._local.verify_parts:
                     self._local.verify_t0 = time.perf_counter()
                 self._local.verify_parts.append(sums)
             return sums
+
+        def start(payloads):
+            return note(orig_start(payloads))
+
+        def digest(engine, pre):
+            return note(orig_digest(engine, pre))
 
         def fetch(worker, *a, **k):  # verify: from its first hash's start until its last is in
             self._local.verify_parts = []
@@ -129,11 +137,13 @@ class StageTimers:
                     self._host["verify"].append(t1 - t0)
                     self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
                 if parts:
-                    wmod.StartedChecksums.joined(parts).when_done(done)
+                    join_checksums(parts).when_done(done)
         wmod.start_payload_checksums = start
+        CudaTransfer.digest = digest
         wmod.WorkerSide._fetch = fetch
         gc.callbacks.append(self._on_gc)
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
+        self._wrap_cuda(CudaTransfer, "digest", "digest", lambda e: e._dig)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")
         self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
         self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)

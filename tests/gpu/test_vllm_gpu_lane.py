@@ -112,6 +112,65 @@ def test_gdn_hybrid_on_gpu(monkeypatch):
     test_hybrid_hit_is_identical_to_recompute(case)
 
 
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tmp_path, tier, monkeypatch):
+    """One byte of a stored chunk's object flipped in its tier (the in-process pool, or the
+    server's shared pool): the hit's digests, computed on the device over the bytes that
+    landed -- no host hash of it runs -- refuse that chunk; only the prefix before it is
+    served, the object is dropped, the output is right on poisoned KV, and the next runs
+    (stored again) hit in full."""
+    import test_integrity
+    from test_integrity import _local_flip, _server_flip
+
+    from vllm_kvplugin.connector import worker as wmod
+
+    monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
+    bad, p = test_integrity.BAD, prompt(8 * CHUNK + 10, seed=51)
+    p2 = p + prompt(2 * CHUNK + 5, seed=52)
+    kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
+    base = engine(model, BLOCK, None, **kw)
+    try:
+        want_p, want_p2 = (generate(base, [q])[0].token_ids for q in (p, p2))
+    finally:
+        shutdown(base)
+    srv = ServerProc(str(tmp_path), "--l1-bytes", "2GiB").start() if tier == "server" else None
+    cfg = {"chunk_size": CHUNK, **({"cpu_bytes": 0, "server": srv.address} if srv else {"cpu_bytes": 1 << 30})}
+    counters.STATS.reset()
+    hashed_on_host = []
+    orig = wmod.start_payload_checksums
+    monkeypatch.setattr(wmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
+    try:
+        with Probe().installed() as probe:
+            llm = engine(model, BLOCK, cfg, **kw)
+            try:
+                assert probe.worker.engine.digests
+                assert generate(llm, [p])[0].token_ids == want_p
+                flip, _ = _local_flip(probe, p) if srv is None else _server_flip(probe, p, srv.address)
+                flip()
+                probe.poison_all_blocks(seed=1)
+                r = generate(llm, [p2])[0]
+                s = vllm_kvplugin.stats()
+                assert r.token_ids == want_p2
+                assert r.num_cached_tokens == bad * CHUNK and s["loaded_tokens"] == bad * CHUNK
+                assert s["load_failures"] == {"checksum": 1}
+                if srv is None:
+                    assert s["dropped_objects"] == 1
+                for i in range(2):  # stored again where it failed: full hits on poisoned KV
+                    for q, want in ((p2, want_p2), (p, want_p)):
+                        probe.poison_all_blocks(seed=10 + i)
+                        r = generate(llm, [q])[0]
+                        assert r.token_ids == want and r.num_cached_tokens == (len(q) - 1) // CHUNK * CHUNK
+                assert vllm_kvplugin.stats()["load_failures"] == {"checksum": 1}
+                assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+                assert hashed_on_host == [], "the host hashed a hit the device should have verified"
+                print(f"GPU LANE corrupt object ({tier}): refused on the device; stats {vllm_kvplugin.stats()}")
+            finally:
+                shutdown(llm)
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):

@@ -125,3 +125,39 @@ def test_when_done_calls_back_once_after_the_last_hash(monkeypatch):
     small = checksums.start_payload_checksums(_payloads(2, 16))
     small.when_done(lambda: calls.append("now"))
     assert calls == [True, "now"]
+
+
+def test_hash_then_copy_takes_known_checksums_as_they_are(monkeypatch):
+    """A source whose checksum the device computed is copied, not hashed again."""
+    hashed = []
+    monkeypatch.setattr(checksums, "payload_checksum", lambda p: hashed.append(bytes(p[:8])) or payload_checksum(p))
+    for n, nbytes in ((3, 1 << 10), (12, 1 << 20)):
+        hashed.clear()
+        srcs = _payloads(n, nbytes)
+        dsts = [memoryview(np.zeros(nbytes, dtype=np.uint8)) for _ in range(n)]
+        known = [None if i % 2 else 1000 + i for i in range(n)]  # deliberately not the bytes' checksums
+        got = checksums.hash_then_copy(srcs, dsts, known)
+        assert got == [k if k is not None else payload_checksum(s) for k, s in zip(known, srcs)]
+        assert sorted(hashed) == sorted(bytes(s[:8]) for k, s in zip(known, srcs) if k is None)
+        assert all(bytes(d) == bytes(s) for s, d in zip(srcs, dsts))
+
+
+def test_joined_checksums_in_order_and_called_back_once_after_the_last_part(monkeypatch):
+    go = threading.Event()
+
+    def gated(p):
+        assert go.wait(10)
+        return payload_checksum(p)
+    monkeypatch.setattr(checksums, "payload_checksum", gated)
+    a, b = _payloads(12, 1 << 20), _payloads(13, 1 << 20)
+    joined = checksums.join_checksums([checksums.start_payload_checksums(a), checksums.start_payload_checksums(b)])
+    calls = []
+    joined.when_done(lambda: calls.append(joined.done()))
+    assert calls == [] and not joined.done()
+    go.set()
+    assert joined.result() == [payload_checksum(p) for p in a + b]
+    for _ in range(100):
+        if calls:
+            break
+        threading.Event().wait(0.01)
+    assert calls == [True]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
+    SEGMENT_BYTES,
     ChunkError,
     ChunkExpect,
     ChunkHeader,
@@ -93,12 +95,45 @@ def test_corrupt_header_bytes(offset, reason):
     assert e.value.reason == reason
 
 
-def test_checksum_is_xxh3_of_payload():
+def _segmented_xxh3(data: bytes, segment: int) -> int:
+    """The format's payload digest, written out: xxh3-64 of each segment, then of those."""
     import xxhash
 
-    p = _payload(3)
-    assert payload_checksum(p) == xxhash.xxh3_64_intdigest(p)
+    parts = [data[i:i + segment] for i in range(0, len(data), segment)] or [b""]
+    return xxhash.xxh3_64_intdigest(b"".join(xxhash.xxh3_64_intdigest(p).to_bytes(8, "little") for p in parts))
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 240, 241, SEGMENT_BYTES - 1, SEGMENT_BYTES, SEGMENT_BYTES + 1,
+                                    3 * SEGMENT_BYTES + 100])
+def test_checksum_is_xxh3_of_the_xxh3s_of_256kib_segments(nbytes):
+    import numpy as np
+
+    assert SEGMENT_BYTES == 256 << 10
+    p = os.urandom(nbytes)
+    assert payload_checksum(p) == _segmented_xxh3(p, 256 << 10)
     assert payload_checksum(memoryview(p)) == payload_checksum(p)
+    if nbytes % 2 == 0:  # a view of another format: its bytes
+        assert payload_checksum(memoryview(np.frombuffer(p, dtype=np.uint16))) == payload_checksum(p)
+
+
+def test_a_changed_byte_in_any_segment_changes_the_checksum():
+    p = bytearray(os.urandom(2 * SEGMENT_BYTES + 5))
+    before = payload_checksum(bytes(p))
+    for at in (0, SEGMENT_BYTES - 1, SEGMENT_BYTES, 2 * SEGMENT_BYTES + 4):
+        q = bytearray(p)
+        q[at] ^= 1
+        assert payload_checksum(bytes(q)) != before
+
+
+def test_a_format_2_chunk_is_refused_by_its_version():
+    import struct
+
+    raw = bytearray(ChunkHeader.for_payload(EXPECT, _payload()).pack())
+    assert struct.unpack_from("<H", raw, 4)[0] == 3
+    struct.pack_into("<H", raw, 4, 2)
+    with pytest.raises(ChunkError) as e:
+        ChunkHeader.unpack(bytes(raw))
+    assert e.value.reason == "version"
 
 
 def test_dtype_names():

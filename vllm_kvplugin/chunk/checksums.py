@@ -4,6 +4,10 @@ xxh3 releases the GIL on large inputs, so the chunks of one load or store are
 hashed in parallel: on the H200's host one thread hashed a 16k-token load
 (2.4 GB) slower than the PCIe link moved it.  Same values as
 :func:`~vllm_kvplugin.chunk.format.payload_checksum`, in the input order.
+
+Checksums still being computed -- here, or on a GPU (``transfer/cuda.py``'s
+``DeviceDigests``) -- are :class:`PendingChecksums`; :func:`join_checksums` makes
+one of several.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 
@@ -43,21 +48,63 @@ def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
     return start_payload_checksums(payloads).result()
 
 
+class PendingChecksums(Protocol):
+    """Checksums of payloads, in their order, still being computed."""
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without waiting."""
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """``callback()`` once :meth:`done` (now if it is; else on some other thread)."""
+
+    def result(self) -> list[int]:
+        """The checksums (waits for them)."""
+
+
+class JoinedChecksums:
+    """Several pending checksums as one, in their order."""
+
+    def __init__(self, parts: Sequence[PendingChecksums]):
+        self._parts = list(parts)
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._parts)
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        left, lock = [len(self._parts)], threading.Lock()
+        if not self._parts:
+            callback()
+            return
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+        for p in self._parts:
+            p.when_done(one_done)
+
+    def result(self) -> list[int]:
+        return [c for p in self._parts for c in p.result()]
+
+
+def join_checksums(parts: Sequence[PendingChecksums]) -> PendingChecksums:
+    """One pending result of several, in their order."""
+    return parts[0] if len(parts) == 1 else JoinedChecksums(parts)
+
+
 class StartedChecksums:
-    """The checksums of payloads, started by :func:`start_payload_checksums` (or several such,
-    :meth:`joined`).  ``futures``: one per payload, None for one hashed by :meth:`result` on the
-    asking thread (inputs too small for the threads); None instead of a list: every one so."""
+    """The checksums of payloads, started by :func:`start_payload_checksums` (a
+    :class:`PendingChecksums`).  ``futures``: one per payload, None for one hashed by
+    :meth:`result` on the asking thread (inputs too small for the threads); None instead of a
+    list: every one so."""
 
     def __init__(self, payloads: Sequence[memoryview], futures: Sequence[Future | None] | None):
         self._payloads = list(payloads)
         self._futures = list(futures) if futures is not None else [None] * len(self._payloads)
         if len(self._futures) != len(self._payloads):
             raise ValueError(f"{len(self._futures)} futures for {len(self._payloads)} payloads")
-
-    @staticmethod
-    def joined(parts: Sequence[StartedChecksums]) -> StartedChecksums:
-        """One result of several started ones, in their order."""
-        return StartedChecksums([p for s in parts for p in s._payloads], [f for s in parts for f in s._futures])
 
     def _threaded(self) -> list[Future]:
         return [f for f in self._futures if f is not None]
@@ -99,20 +146,27 @@ def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:
     return StartedChecksums(payloads, [_executor().submit(payload_checksum, p) for p in payloads])
 
 
-def _hash_then_copy(pair: tuple[memoryview, memoryview]) -> int:
-    src, dst = pair
-    checksum = payload_checksum(src)
+def _hash_then_copy(item: tuple[memoryview, memoryview, int | None]) -> int:
+    src, dst, checksum = item
+    if checksum is None:
+        checksum = payload_checksum(src)
     np.copyto(np.asarray(dst), np.asarray(src))  # numpy copies without the GIL
     return checksum
 
 
-def hash_then_copy(srcs: Sequence[memoryview], dsts: Sequence[memoryview]) -> list[int]:
+def hash_then_copy(srcs: Sequence[memoryview], dsts: Sequence[memoryview],
+                   known: Sequence[int | None] | None = None) -> list[int]:
     """``payload_checksum`` of each source, each then copied into its destination (same size):
-    the checksums vouch for the sources, whatever happens to the destinations meanwhile."""
+    the checksums vouch for the sources, whatever happens to the destinations meanwhile.
+    ``known``: a source's checksum computed already (of the same bytes, on the device that made
+    them), taken as it is (None: hashed here)."""
     if len(srcs) != len(dsts) or any(s.nbytes != d.nbytes for s, d in zip(srcs, dsts)):
         raise ValueError(f"hash_then_copy: source sizes {[s.nbytes for s in srcs]} "
                          f"!= destination sizes {[d.nbytes for d in dsts]}")
-    pairs = list(zip(srcs, dsts))
-    if len(pairs) < 2 or sum(s.nbytes for s in srcs) < PARALLEL_MIN_BYTES:
-        return [_hash_then_copy(p) for p in pairs]
-    return list(_executor().map(_hash_then_copy, pairs))
+    known = list(known) if known is not None else [None] * len(srcs)
+    if len(known) != len(srcs):
+        raise ValueError(f"hash_then_copy: {len(known)} known checksums for {len(srcs)} sources")
+    items = list(zip(srcs, dsts, known))
+    if len(items) < 2 or sum(s.nbytes for s in srcs) < PARALLEL_MIN_BYTES:
+        return [_hash_then_copy(i) for i in items]
+    return list(_executor().map(_hash_then_copy, items))

@@ -40,7 +40,8 @@ from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.checksums import (
     MAX_THREADS,
     PARALLEL_MIN_BYTES,
-    StartedChecksums,
+    PendingChecksums,
+    join_checksums,
     payload_checksums,
     start_payload_checksums,
 )
@@ -113,7 +114,7 @@ class _Verifying:
     errors: list
     checked: dict[int, tuple[int, torch.Tensor]]
     order: list[int]
-    sums: StartedChecksums | None
+    sums: PendingChecksums | None
 
 
 #: the worker half registered last in this process (``vllm-kvplugin verify`` reads it)
@@ -271,32 +272,43 @@ class WorkerSide(StorePath):
             self._resolve_remote(jobs, views)
         except TierTrouble as e:
             errors = [e.with_traceback(None) if j.lease else None for j in jobs]
-        # the objects' bytes, where their sizes are right; the host hashes them while the link
-        # moves them and the headers are checked (unverified bytes go into staging only; a load
-        # scatters verified objects alone).  The verdict waits for the last hash: those of the
-        # first objects start at once, so the hashing threads work while the rest are read and
-        # their copy is issued.
+        # the objects' bytes, where their sizes are right.  Those sent toward the device are
+        # verified there, over the bytes that landed (the engine's ``digest``); the host hashes
+        # the rest (all of them on an engine without device digests) while the link moves them
+        # and the headers are checked (unverified bytes go into staging only; a load scatters
+        # verified objects alone).  The verdict waits for the last digest.  Without device
+        # digests the host starts the first objects' hashes at once, so its threads work while
+        # the rest are read and their copy is issued.
         found: dict[int, tuple[bytes, memoryview, torch.Tensor]] = {}
-        parts: list[StartedChecksums] = []
-        started = 0  # leading found objects whose hashes are started
+        parts: list[PendingChecksums] = []
+        order: list[int] = []  # the jobs whose payloads are verified, in the order of ``parts``
         verify = self.cfg.verify_checksums
+        host_first = verify and not self.engine.digests
         for n, job in enumerate(jobs):
             if errors[n] is None:
                 try:
                     found[n] = self._object(job, views[n])
                 except ChunkError as e:
                     errors[n] = e.with_traceback(None)
-            if verify and not started and len(found) == MAX_THREADS:
+            if host_first and not order and len(found) == MAX_THREADS:
                 first = [data for _, data, _ in found.values()]
                 if sum(d.nbytes for d in first) >= PARALLEL_MIN_BYTES:  # enough for the threads
                     parts.append(start_payload_checksums(first))
-                    started = len(first)
+                    order = list(found)
         # the copy goes first: the first hashes keep the threads busy while the rest are queued
-        self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
-        order = list(found)  # the jobs whose payloads are hashed, in that order
-        if verify and len(order) > started:
-            parts.append(start_payload_checksums([found[n][1] for n in order[started:]]))
-        sums = StartedChecksums.joined(parts) if verify else None
+        prefetched = self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
+        if verify:
+            for g, (pre, _) in prefetched.items():
+                digests = self.engine.digest(pre)
+                if digests is not None:
+                    parts.append(digests)
+                    order += [n for n in found if jobs[n].group == g][:pre.rows]
+            covered = set(order)
+            rest = [n for n in found if n not in covered]
+            if rest:
+                parts.append(start_payload_checksums([found[n][1] for n in rest]))
+                order += rest
+        sums = join_checksums(parts) if verify and parts else None
         checked: dict[int, tuple[int, torch.Tensor]] = {}
         for n, (header, data, tensor) in found.items():
             job = jobs[n]

@@ -142,26 +142,34 @@ class StorePath:
                 self._private.give(entry.private)
 
     def _finish_now(self, entry: PendingStore) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        payloads = [bytes_of(self.pool.payload(j.group, j.slot)) for j in entry.local]
+        known: dict[int, int] = {}  # host address -> payload digest the device computed
+        for ticket in entry.tickets:
+            known.update(self.engine.checksums(ticket))
+        tensors = [self.pool.payload(j.group, j.slot) for j in entry.local]
+        payloads = [bytes_of(t) for t in tensors]
         nbytes = sum(p.nbytes for p in payloads)
-        for job, payload, checksum in zip(entry.local, payloads, payload_checksums(payloads)):
+        hashed = iter(payload_checksums([p for t, p in zip(tensors, payloads) if t.data_ptr() not in known]))
+        for job, t, payload in zip(entry.local, tensors, payloads):
+            checksum = known[t.data_ptr()] if t.data_ptr() in known else next(hashed)
             header = ChunkHeader.for_payload(self._expect(job.group, job.key, job.position), payload, checksum)
             self.pool.set_header(job.group, job.slot, header.pack())
-        nbytes += self._publish(entry.remote, entry.sources)
+        nbytes += self._publish(entry.remote, entry.sources, known)
         tokens = [j.hi - j.lo for j in [*entry.local, *(t.job for t in entry.remote)] if j.group == self._token_group]
         counters.WORKER.add(stored_tokens=sum(tokens), stored_bytes=nbytes,
                             store_seconds=time.perf_counter() - entry.t0)
         return [(j.group, j.slot) for j in entry.local], []
 
-    def _publish(self, remote: list[ServerTarget], sources: list[torch.Tensor]) -> int:
-        """Each object hashed in this process's own memory (``sources``), then copied into the
-        server's pool, its header written, and all committed: the objects become visible only
-        now, and a checksum vouches for the bytes this worker computed, not for the pool's."""
+    def _publish(self, remote: list[ServerTarget], sources: list[torch.Tensor], known: dict[int, int]) -> int:
+        """Each object hashed in this process's own memory (``sources``; or on the device, before
+        its copy to there: ``known``, by address), then copied into the server's pool, its header
+        written, and all committed: the objects become visible only now, and a checksum vouches
+        for the bytes this worker computed, not for the pool's."""
         if not remote:
             return 0
         payloads = [bytes_of(s) for s in sources]
         try:
-            checksums = hash_then_copy(payloads, [bytes_of(t.payload) for t in remote])
+            checksums = hash_then_copy(payloads, [bytes_of(t.payload) for t in remote],
+                                       [known.get(s.data_ptr()) for s in sources])
             for t, payload, checksum in zip(remote, payloads, checksums):
                 header = ChunkHeader.for_payload(self._expect(t.job.group, t.job.key, t.job.position),
                                                  payload, checksum)

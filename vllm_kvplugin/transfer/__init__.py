@@ -24,6 +24,10 @@ Contract, for the worker (one thread, vLLM's worker thread):
   the engine has nothing to gain or no room); a later ``load`` given
   ``staged=(prefetch, rows)`` scatters those rows without using the link.
   :meth:`TransferEngine.release` gives a prefetch's room back.
+* :meth:`TransferEngine.digest` starts the payload digests of a prefetch's rows on the device
+  (a :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`; None: the host must verify them),
+  and :meth:`TransferEngine.checksums` gives those a done store computed of the buffers it
+  wrote (host buffer address -> digest; the rest are the host's to hash).
 * :meth:`TransferEngine.warm_up` runs at registration, so that a first hit pays
   no first-use costs (kernel loading, streams, staging).
 
@@ -43,6 +47,7 @@ from vllm_kvplugin.layout.descriptor import KVLayout
 
 class TransferEngine(Protocol):
     name: str
+    digests: bool  # computes payload digests on the device (``digest``, ``checksums``)
 
     def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
               bufs: Sequence[torch.Tensor]) -> Any: ...
@@ -60,6 +65,10 @@ class TransferEngine(Protocol):
     def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> Any: ...
 
     def release(self, pre: Any) -> None: ...
+
+    def digest(self, pre: Any) -> Any: ...
+
+    def checksums(self, ticket: Any) -> dict[int, int]: ...
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...

@@ -14,6 +14,7 @@ class CpuTransfer:
     """gather/scatter straight between the paged cache and the host buffers."""
 
     name = "cpu"
+    digests = False  # the host verifies and hashes every payload
 
     def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
               bufs: Sequence[torch.Tensor]) -> None:
@@ -42,6 +43,12 @@ class CpuTransfer:
 
     def release(self, pre: None) -> None:
         return None
+
+    def digest(self, pre: None) -> None:
+        return None  # no prefetch to hash: the host verifies
+
+    def checksums(self, ticket: None) -> dict[int, int]:
+        return {}  # the host hashes what it stored
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor], staged=None) -> None:

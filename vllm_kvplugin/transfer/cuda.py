@@ -42,6 +42,13 @@ Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
   done (device-side waits); a host buffer that a pending load still reads is
   not overwritten by a later store's DMA before that read.
 
+Payload digests on the device (``kvplugin::segment_digests``, the chunk format's segmented
+xxh3): :meth:`CudaTransfer.digest` hashes a prefetch's rows where they landed, on a stream of
+their own, each piece's after it arrived, so a hit is verified over the very bytes a load
+scatters and the host never reads them; a staged store hashes its staging rows after the
+gathers (:meth:`CudaTransfer.checksums` gives the values once its ticket is done), so the
+host does not hash what it stores either.  Only the digests (8 bytes per 256 KiB) cross the link.
+
 Paced stores (``transfer/paced.py``): a store's DMAs wait in a queue that
 :meth:`CudaTransfer.pump` feeds to the copy engine a piece at a time, because
 vLLM's own small copies wait behind every DMA queued there.  A staging buffer
@@ -61,12 +68,16 @@ allocation that fails anyway is no prefetch (the load copies), never an error.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from vllm_kvplugin import ops
+from vllm_kvplugin.chunk.format import SEGMENT_BYTES
 from vllm_kvplugin.layout.descriptor import KVLayout
 from vllm_kvplugin.transfer.paced import DmaJob, PacedCopies, Piece
 
@@ -121,17 +132,66 @@ class Prefetch:
         return next(ev for a, b, ev in self.pieces if a <= row < b)
 
 
+_waiter_lock = threading.Lock()
+_waiter: ThreadPoolExecutor | None = None
+
+
+def _wait_thread() -> ThreadPoolExecutor:
+    """The thread that waits for device digests on behalf of ``when_done`` callers."""
+    global _waiter
+    with _waiter_lock:
+        if _waiter is None:
+            _waiter = ThreadPoolExecutor(1, thread_name_prefix="kvplugin-digest-wait")
+        return _waiter
+
+
+class DeviceDigests:
+    """Payload digests of rows of device bytes, computed there (a
+    :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`): ``segments`` is a page-locked
+    ``[rows, segments]`` int64 tensor that holds the segments' xxh3 once ``event`` completed."""
+
+    __slots__ = ("segments", "event", "device")
+
+    def __init__(self, segments: torch.Tensor, event: torch.cuda.Event, device: torch.device):
+        self.segments = segments
+        self.event = event
+        self.device = device
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        if self.done():
+            callback()
+            return
+
+        def wait() -> None:
+            with torch.cuda.device(self.device):
+                self.event.synchronize()  # releases the GIL
+            callback()
+        _wait_thread().submit(wait)
+
+    def result(self) -> list[int]:
+        self.event.synchronize()
+        rows = self.segments.numpy().view("<u8")  # the segments' xxh3 as little-endian u64
+        return [xxhash.xxh3_64_intdigest(row) for row in rows]  # = combine_segments(row)
+
+
 class StoreTicket:
     """Completes when the chunk bytes are in the host buffers: after ``events`` and, for a
-    staged store, after its paced DMAs (``job``)."""
+    staged store, after its paced DMAs (``job``).  ``digests``: the staged rows' payload digests
+    (their host buffers ``digested``), computed on the device."""
 
-    __slots__ = ("events", "job", "nbytes", "path")
+    __slots__ = ("events", "job", "nbytes", "path", "digests", "digested")
 
-    def __init__(self, events: list[torch.cuda.Event], nbytes: int, path: str, job: DmaJob | None = None):
+    def __init__(self, events: list[torch.cuda.Event], nbytes: int, path: str, job: DmaJob | None = None,
+                 digests: DeviceDigests | None = None, digested: Sequence[torch.Tensor] = ()):
         self.events = events
         self.job = job
         self.nbytes = nbytes
         self.path = path
+        self.digests = digests
+        self.digested = list(digested)
 
 
 def _groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]:
@@ -184,6 +244,8 @@ class CudaTransfer:
         info = ops.load()
         # The choice of implementation happens here, once.
         self.kernel = info.cuda == "CUDA kernel" and hasattr(torch.ops.kvplugin, "dma_to_host")
+        #: payload digests computed on the device (loads verified there, stores hashed there)
+        self.digests = self.kernel and hasattr(torch.ops.kvplugin, "segment_digests")
         if self.kernel:
             self.name = "cuda"
             self.store_zc_max = store_zero_copy_max_bytes
@@ -202,6 +264,7 @@ class CudaTransfer:
             self._kern = torch.cuda.Stream(device)  # gather / scatter kernels
             self._d2h = torch.cuda.Stream(device)  # staging -> host DMAs
             self._h2d = torch.cuda.Stream(device)  # host -> staging DMAs
+            self._dig = torch.cuda.Stream(device)  # payload digests (and their copy to the host)
         self._pool: list[_Staging] = []
         self._uses = 0
         self._pending_gathers: list[torch.cuda.Event] = []
@@ -384,6 +447,20 @@ class CudaTransfer:
         ev.record(stream)
         return ev
 
+    def _digest(self, rows: torch.Tensor, after: Sequence[tuple[int, int, torch.cuda.Event]]) -> DeviceDigests:
+        """The payload digests of ``rows`` (uint8 ``[R, N]`` on this device), on the digest
+        stream: rows ``[a, b)`` after event ``ev`` for each ``(a, b, ev)`` of ``after`` (which
+        covers them in order); their segments' values then copied to the host."""
+        segments = torch.empty((rows.shape[0], max(1, -(-rows.shape[1] // SEGMENT_BYTES))), dtype=torch.int64,
+                               pin_memory=True)
+        with torch.cuda.stream(self._dig):
+            for a, b, ev in after:
+                self._dig.wait_event(ev)
+                part = torch.ops.kvplugin.segment_digests(rows[a:b], SEGMENT_BYTES)
+                segments[a:b].copy_(part, non_blocking=True)
+            done = self._event(self._dig)
+        return DeviceDigests(segments, done, self.device)
+
     # ------------------------------------------------------------------- stores
     def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
               bufs: Sequence[torch.Tensor]) -> StoreTicket | None:
@@ -408,9 +485,24 @@ class CudaTransfer:
                 events.append(self._store_zero_copy(layout, layers, slots[pidx], [bufs[i] for i in pidx]))
                 slots, bufs = slots[fidx], [bufs[i] for i in fidx]
             job = self._store_staged(layout, layers, slots, bufs) if bufs else None
+            digests = None
+            if job is not None and self.digests:
+                # hashed after the gathers; the last DMA waits for it, so the staging buffer is
+                # free for others only when the hash has read it too
+                rows = job.staging.tensor[:len(bufs) * layout.chunk_nbytes(T)].view(len(bufs), -1)
+                digests = self._digest(rows, [(0, len(bufs), job.pieces[-1].gathered)])
+                job.pieces[-1].gathered = digests.event
+                events.append(digests.event)
         if job is not None:
             self._paced.submit(job)
-        return StoreTicket(events, nbytes, "staged", job)
+        return StoreTicket(events, nbytes, "staged", job, digests, bufs if digests is not None else ())
+
+    def checksums(self, ticket: StoreTicket | None) -> dict[int, int]:
+        """Payload digests a done store computed on the device: host buffer address -> digest
+        (the buffers it wrote that are not here are the caller's to hash)."""
+        if ticket is None or ticket.digests is None:
+            return {}
+        return {b.data_ptr(): d for b, d in zip(ticket.digested, ticket.digests.result())}
 
     def _store_zero_copy(self, layout, layers, slots, bufs) -> torch.cuda.Event:
         """One kernel writes the chunks into the host buffers (after ``ready``)."""
@@ -492,16 +584,21 @@ class CudaTransfer:
 
     # ----------------------------------------------------------------- warm-up
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
-        """At registration: one store and one prefetched load of the last block's own bytes (back
-        where they came from), through every path a first hit takes: the kernels are loaded,
+        """At registration: one store and one prefetched, digested load of the last block's own
+        bytes (back where they came from), through every path a first hit takes: the kernels are loaded,
         the streams and a staging buffer exist, so the first hit costs what later ones do."""
         n = max(1, tokens // layout.block_size)
         blocks = torch.arange(layout.num_blocks - n, layout.num_blocks, dtype=torch.int64)
         t = torch.arange(n * layout.block_size, dtype=torch.int64)
         slots = (blocks[t // layout.block_size] * layout.block_size + t % layout.block_size).view(1, -1)
         buf = torch.empty((1, *layout.chunk_shape(slots.shape[1])), dtype=layout.dtype, pin_memory=True)
-        self.wait(self.store(layout, layers, slots, [buf]))
+        ticket = self.store(layout, layers, slots, [buf])
+        self.wait(ticket)
+        self.checksums(ticket)
         pre = self.prefetch(layout, [buf])
+        digests = self.digest(pre)
+        if digests is not None:
+            digests.result()
         self.load(layout, layers, slots, [buf], staged=(pre, [0]) if pre is not None else None)
         self.release(pre)
         torch.cuda.synchronize(self.device)
@@ -548,6 +645,19 @@ class CudaTransfer:
     def release(self, pre: Prefetch | None) -> None:
         if pre is not None:
             pre.staging.held = False
+
+    def digest(self, pre: Prefetch | None) -> DeviceDigests | None:
+        """Start the payload digests of a prefetch's rows where they land (each piece's after its
+        copy), returning at once; None without the kernel.  Who calls: the worker, right after
+        :meth:`prefetch`, while the copy is in flight.  The staging buffer is not handed out
+        again before the digests have read it."""
+        if pre is None or not self.digests:
+            return None
+        with torch.cuda.device(self.device):
+            rows = pre.staging.tensor[:pre.nbytes].view(pre.rows, -1)
+            digests = self._digest(rows, pre.pieces)
+        pre.staging.busy = digests.event  # after every piece's copy, on the digest stream
+        return digests
 
     # -------------------------------------------------------------------- loads
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
