@@ -60,7 +60,8 @@ FIELDS: tuple[FieldDoc, ...] = (
              "(counted: `server_store_skipped`). Unset: four times the KV of one full step "
              "(`max_num_batched_tokens` plus a chunk), within 1 and 16 GiB."),
     FieldDoc("verify_checksums", (bool,), True,
-             "Check the xxh3 payload checksum of every chunk before it reaches the KV cache."),
+             "Check the payload checksum (segmented xxh3) of every chunk before it reaches the KV cache; "
+             "on a GPU it is computed there, over the bytes copied."),
     FieldDoc("gpu_staging_bytes", (int, type(None)), None,
              "CUDA: the most device memory the transfer engine's staging buffers hold (outside "
              "vLLM's memory budget). A hit is copied toward the GPU while it is verified only as "

@@ -171,6 +171,53 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
             srv.stop()
 
 
+@pytest.mark.parametrize("bad", [1, 5])
+def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypatch):
+    """Staging room for 3 of a hit's 8 chunks: those are prefetched and verified on the device,
+    the other 5 hashed on the host (and copied by the load).  A byte flipped in chunk ``bad``
+    (1: a device-verified one, 5: a host-verified one) is refused either way; the prefix
+    before it is served, the output is right on poisoned KV, and the next run hits in full."""
+    import test_integrity
+    from test_integrity import _local_flip
+
+    from vllm_kvplugin.connector import worker as wmod
+
+    monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
+    monkeypatch.setattr(test_integrity, "BAD", bad)
+    p = prompt(8 * CHUNK + 10, seed=53)
+    kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
+    base = engine(model, BLOCK, None, **kw)
+    try:
+        want = generate(base, [p])[0].token_ids
+    finally:
+        shutdown(base)
+    chunk_bytes = 8 * 2 * CHUNK * 8 * 128 * 2  # the lane's model: 8 layers of 8 KV heads x 128, bf16
+    counters.STATS.reset()
+    hashed_on_host = []
+    orig = wmod.start_payload_checksums
+    monkeypatch.setattr(wmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30, "gpu_staging_bytes": 3 * chunk_bytes},
+                     **kw)
+        try:
+            assert probe.worker.groups[0].object_bytes(CHUNK) == chunk_bytes
+            assert generate(llm, [p])[0].token_ids == want
+            flip, _ = _local_flip(probe, p)
+            flip()
+            probe.poison_all_blocks(seed=1)
+            hashed_on_host.clear()
+            r = generate(llm, [p])[0]
+            assert hashed_on_host == [5], hashed_on_host  # the 5 chunks the staging could not hold
+            assert r.token_ids == want and r.num_cached_tokens == bad * CHUNK
+            assert vllm_kvplugin.stats()["load_failures"] == {"checksum": 1}
+            probe.poison_all_blocks(seed=2)
+            r = generate(llm, [p])[0]
+            assert r.token_ids == want and r.num_cached_tokens == 8 * CHUNK
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+        finally:
+            shutdown(llm)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):
