@@ -77,7 +77,7 @@ import torch
 import xxhash
 
 from vllm_kvplugin import ops
-from vllm_kvplugin.chunk.format import SEGMENT_BYTES
+from vllm_kvplugin.chunk.format import SEGMENT_BYTES, segment_count
 from vllm_kvplugin.layout.descriptor import KVLayout
 from vllm_kvplugin.transfer.paced import DmaJob, PacedCopies, Piece
 
@@ -451,8 +451,7 @@ class CudaTransfer:
         """The payload digests of ``rows`` (uint8 ``[R, N]`` on this device), on the digest
         stream: rows ``[a, b)`` after event ``ev`` for each ``(a, b, ev)`` of ``after`` (which
         covers them in order); their segments' values then copied to the host."""
-        segments = torch.empty((rows.shape[0], max(1, -(-rows.shape[1] // SEGMENT_BYTES))), dtype=torch.int64,
-                               pin_memory=True)
+        segments = torch.empty((rows.shape[0], segment_count(rows.shape[1])), dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self._dig):
             for a, b, ev in after:
                 self._dig.wait_event(ev)
