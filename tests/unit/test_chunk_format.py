@@ -150,3 +150,12 @@ def test_format_module_does_not_need_torch():
 
     code = "import sys; sys.modules['torch'] = None; import vllm_kvplugin.chunk.format, vllm_kvplugin.chunk.keys"
     assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
+
+
+def test_chunk_keys_follow_the_format_version():
+    """Objects of two formats never share a key: a store shared by engines of both holds each
+    format's objects apart (neither finds, refuses and drops the other's)."""
+    from vllm_kvplugin.chunk.format import FORMAT_VERSION
+    from vllm_kvplugin.chunk.keys import KEY_VERSION
+
+    assert KEY_VERSION == b"kvplugin/chunk-key/v%d" % FORMAT_VERSION

@@ -56,7 +56,7 @@ def test_stable_value():
     SHA-256 over a versioned, length-prefixed encoding (chunk/keys.py)."""
     tokens = np.arange(16, dtype=np.int32)
     absent = b"\x00"
-    root = hashlib.sha256(b"kvplugin/chunk-key/v2" + struct.pack("<I", 16) + b"\x01"
+    root = hashlib.sha256(b"kvplugin/chunk-key/v3" + struct.pack("<I", 16) + b"\x01"
                           + struct.pack("<Q", len(FP)) + FP + b"\x01" + struct.pack("<Q", 0)
                           + absent * 3).digest()
     want = hashlib.sha256(root + struct.pack("<I", 0) + tokens.astype("<i4").tobytes()).digest()

@@ -44,7 +44,7 @@ from typing import Any
 import xxhash
 
 MAGIC = b"KVPC"
-FORMAT_VERSION = 3  # 3: the segmented payload digest (2: one xxh3-64 of the whole payload)
+FORMAT_VERSION = 3  # 3: the segmented payload digest (2: one xxh3-64 of the whole payload); keys.KEY_VERSION follows it
 _BODY = struct.Struct("<4sHHBBBBIIIIQQHHHH32s32s16s64sQQ")
 SPEC_SIZE = 64
 #: the payload digest hashes segments of this many bytes (the last one may be shorter).  A GPU

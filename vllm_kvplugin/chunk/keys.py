@@ -1,13 +1,16 @@
 """Version-stable, collision-resistant chunk keys and the model fingerprint.
 
-Encoding (version 2, every field length-prefixed, ``None`` distinct from ``""``)::
+Encoding (version 3, every field length-prefixed, ``None`` distinct from ``""``)::
 
-    k_root = SHA-256("kvplugin/chunk-key/v2" | u32 chunk_size | fingerprint | namespace |
+    k_root = SHA-256("kvplugin/chunk-key/v3" | u32 chunk_size | fingerprint | namespace |
                      lora name | lora path | cache salt)
     k_i    = SHA-256(k_{i-1} | u32 #items | (identifier | i64 offset - chunk start | u64 length)*
                      | tokens of chunk i as little-endian int32)
 
-where each variable field is ``u8 present | u64 length | bytes``.  A key names the
+where each variable field is ``u8 present | u64 length | bytes``.  Version 3 is version 2's
+encoding for chunk format 3 (:mod:`vllm_kvplugin.chunk.format`): a key names an object of one
+format, so engines of two formats sharing a store never find each other's objects (each would
+refuse the other's and drop it as corrupt).  A key names the
 whole prefix up to its chunk's end and everything that decides its KV (the model
 fingerprint covers weights, dtypes and quantization, see
 :mod:`vllm_kvplugin.identity`).  SHA-256 (not a fast non-cryptographic hash): the
@@ -32,7 +35,7 @@ from typing import Any
 import numpy as np
 
 KEY_SIZE = 32
-KEY_VERSION = b"kvplugin/chunk-key/v2"
+KEY_VERSION = b"kvplugin/chunk-key/v3"  # with the chunk format's version
 _U32 = struct.Struct("<I")
 _ITEM_POS = struct.Struct("<qQ")
 
