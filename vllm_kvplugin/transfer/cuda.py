@@ -68,6 +68,7 @@ allocation that fails anyway is no prefetch (the load copies), never an error.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -134,14 +135,17 @@ class Prefetch:
 
 _waiter_lock = threading.Lock()
 _waiter: ThreadPoolExecutor | None = None
+_waiter_pid = -1
 
 
 def _wait_thread() -> ThreadPoolExecutor:
-    """The thread that waits for device digests on behalf of ``when_done`` callers."""
-    global _waiter
+    """The thread that waits for device digests on behalf of ``when_done`` callers (one per
+    process: a forked child makes its own)."""
+    global _waiter, _waiter_pid
     with _waiter_lock:
-        if _waiter is None:
+        if _waiter is None or _waiter_pid != os.getpid():
             _waiter = ThreadPoolExecutor(1, thread_name_prefix="kvplugin-digest-wait")
+            _waiter_pid = os.getpid()
         return _waiter
 
 
