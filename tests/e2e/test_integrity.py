@@ -344,7 +344,7 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
         events.append(("hashes", len(ps)))
         return StartedChecksums(ps, [pool.submit(hash_one, p) for p in ps])
     monkeypatch.setattr(wmod, "start_payload_checksums", start)
-    build, update = smod.SchedulerSide.build_connector_meta, smod.SchedulerSide.update_connector_output
+    build, verdict = smod.SchedulerSide.build_connector_meta, smod.SchedulerSide._verdict
 
     def build_meta(self, so):
         meta = build(self, so)
@@ -353,13 +353,11 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
             after_meta(events)
         return meta
 
-    def update_output(self, output):
-        meta = getattr(output, "kv_connector_worker_meta", None)
-        for _, good in getattr(meta, "fetched", {}).values():
-            events.append(("verdict", good))
-        return update(self, output)
+    def on_verdict(self, rid, ranks, good, serial=None):  # from the step's metadata or the engine's box
+        events.append(("verdict", good))
+        return verdict(self, rid, ranks, good, serial)
     monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta", build_meta)
-    monkeypatch.setattr(smod.SchedulerSide, "update_connector_output", update_output)
+    monkeypatch.setattr(smod.SchedulerSide, "_verdict", on_verdict)
     return events
 
 

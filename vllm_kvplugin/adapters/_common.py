@@ -282,6 +282,12 @@ def kv_transfer_extra_config(vllm_config: Any) -> Mapping[str, Any]:
     return vllm_config.kv_transfer_config.kv_connector_extra_config or {}
 
 
+def engine_id(vllm_config: Any) -> str:
+    """The engine's id (vLLM gives each engine's KV transfer config one), the same for its
+    scheduler and worker halves."""
+    return str(vllm_config.kv_transfer_config.engine_id)
+
+
 def request_extras(request: Any):
     """Key extras of a vLLM ``Request``: LoRA name and path, cache salt, multimodal items."""
     from vllm_kvplugin.chunk.keys import KeyExtras, MMItem

@@ -8,7 +8,9 @@ A hit takes two steps (DESIGN.md rule 7, "verify before claim"):
 1. :class:`FetchRequest` -- while vLLM holds the request back (the connector
    answered ``None`` to ``get_num_new_matched_tokens``), every worker reads the
    planned objects from their tier and checks header, size and checksum; it
-   reports how many leading objects passed (:attr:`KVPluginWorkerMeta.fetched`);
+   reports how many leading objects passed (:attr:`KVPluginWorkerMeta.fetched`; an engine
+   of one rank whose scheduler half is in the worker's process posts it straight to it
+   instead, ``connector/verdicts.py``);
 2. :class:`LoadRequest` -- only after every rank verified them does the scheduler
    claim the tokens; the workers then copy the verified bytes into the KV cache
    before the step's forward.  Nothing can depend on bytes that were not verified.
@@ -39,6 +41,7 @@ class FetchJob:
 class FetchRequest:
     req_id: str
     jobs: list[FetchJob]  # ordered by (position, group)
+    serial: int = 0  # the scheduler's number of this fetch (its verdict names it)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from vllm_kvplugin.connector.metadata import (
     StoreJob,
     StoreRequest,
 )
+from vllm_kvplugin.connector.verdicts import open_box
 from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.layout.groups import GroupSpec
@@ -73,6 +74,7 @@ class Fetch:
     fewest: int | None = None  # fewest leading jobs verified by a rank that reported
     good: int = -1  # leading jobs every rank verified (-1: not all ranks reported yet)
     verified_at: float = 0.0
+    serial: int = 0  # this scheduler's number of the fetch (a verdict posted directly names it)
 
     def verified(self) -> set[tuple[int, int]]:
         return {(j.position, j.group) for j in self.jobs[:max(0, self.good)]}
@@ -146,6 +148,8 @@ class SchedulerSide:
         self._slot_chunk: dict[tuple[int, int], int] = {}
         self._started: set[str] = set()  # requests scheduled and not finished (any of them)
         self._holding = False  # this step's scheduling held a request back for this connector
+        self._fetches = 0  # fetches issued (their serials)
+        self._verdicts = open_box(_common.engine_id(vllm_config))  # a one-process engine's verdicts
         logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s",
                     self.chunk_size, num_slots, "; ".join(g.describe() for g in self.groups))
 
@@ -164,6 +168,7 @@ class SchedulerSide:
         return tr
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._take_verdicts()
         matched = self._match(request, num_computed_tokens)
         if matched[0] is None:
             self._holding = True  # a request waits on this connector (see build_connector_meta)
@@ -207,8 +212,9 @@ class SchedulerSide:
             return None, False  # the server's answer comes on its own thread: ask again next step
         if fetch is None:
             return 0, False
-        tr.fetch = fetch
-        self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs))
+        self._fetches += 1
+        tr.fetch, fetch.serial = fetch, self._fetches
+        self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs, fetch.serial))
         return None, False
 
     def _wait_for_a_lookup(self) -> None:
@@ -457,6 +463,25 @@ class SchedulerSide:
         return jobs
 
     # ---------------------------------------------------------- worker results
+    def _verdict(self, rid: str, ranks: int, good: int, serial: int | None = None) -> None:
+        """``ranks`` more workers verified the ``good`` leading objects of ``rid``'s fetch (numbered
+        ``serial``, when the verdict names it); once every rank has, the fetch may be claimed."""
+        tr = self._reqs.get(rid)
+        f = tr.fetch if tr is not None else None
+        if f is None or f.good >= 0 or (serial is not None and serial != f.serial):
+            return  # given up meanwhile (its staged bytes were forgotten), or another fetch's
+        f.ranks += ranks
+        f.fewest = good if f.fewest is None else min(f.fewest, good)
+        if f.ranks >= self.world_size:
+            f.good, f.verified_at = f.fewest, time.monotonic()
+            if f.lease and f.good < len(f.jobs):  # dropped from the server: this request stores it again
+                tr.server_hits = min(tr.server_hits, f.jobs[f.good].position)
+
+    def _take_verdicts(self) -> None:
+        """Verdicts the worker half of a one-process, one-rank engine posted (connector/verdicts.py)."""
+        for rid, serial, good in self._verdicts.take():
+            self._verdict(rid, 1, good, serial)
+
     def update_connector_output(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVPluginWorkerMeta):
@@ -468,18 +493,9 @@ class SchedulerSide:
                 self._storing[key] = left
             else:
                 self._storing.pop(key, None)
-        now = time.monotonic()
+        self._take_verdicts()
         for rid, (ranks, good) in meta.fetched.items():
-            tr = self._reqs.get(rid)
-            f = tr.fetch if tr is not None else None
-            if f is None or f.good >= 0:
-                continue  # given up meanwhile (its staged bytes were forgotten)
-            f.ranks += ranks
-            f.fewest = good if f.fewest is None else min(f.fewest, good)
-            if f.ranks >= self.world_size:
-                f.good, f.verified_at = f.fewest, now
-                if f.lease and f.good < len(f.jobs):  # dropped from the server: this request stores it again
-                    tr.server_hits = min(tr.server_hits, f.jobs[f.good].position)
+            self._verdict(rid, ranks, good)
         for g, slot in meta.bad_slots:  # failed verification: never offered again
             self.local[g].drop(slot)
             counters.SCHEDULER.add(dropped_objects=1)

@@ -9,7 +9,8 @@ hit does; after it otherwise) -> forward -> ``store`` (from ``wait_for_save``)
 is holding back, checks header and size and starts their checksums; the verdict
 goes to the scheduler with the metadata of the step in which the hashes are in
 (``take_meta``: a step with tokens never waits for them, one without waits a
-bounded time rather than spin), and views of the verified bytes are kept
+bounded time rather than spin) -- or, for an engine of one rank whose scheduler
+half is in this process, straight into its box (``connector/verdicts.py``), and views of the verified bytes are kept
 (they stay put: pinned in the local tier, leased on the server; a restarted
 server's old pool stays mapped).  Then it *loads* claimed hits from those
 verified views only.  A load can thus only fail on a copy error: its
@@ -64,6 +65,7 @@ from vllm_kvplugin.connector.metadata import (
     LoadRequest,
     StoreJob,
 )
+from vllm_kvplugin.connector.verdicts import find_box
 from vllm_kvplugin.connector.worker_stores import StorePath
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.layout.descriptor import GroupKind
@@ -140,6 +142,7 @@ class WorkerSide(StorePath):
         self.chunk_size = cfg.resolve_chunk_size([g.block_size for g in self.groups])
         self.fingerprint = b""  # the scheduler's, from the first metadata on (see bind)
         self.rank, self.world = 0, _common.model_parallel_world(vllm_config)
+        self._engine_id = _common.engine_id(vllm_config)  # finds the scheduler half's verdict box
         self.server: ServerStore | None = None
         self.layouts: list[KVLayout | StateSource] = []  # per group (recurrent: its state views)
         self.layers: list[Any] = []  # per group: layer tensors (recurrent: per layer, its state views)
@@ -350,7 +353,11 @@ class WorkerSide(StorePath):
                         errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
             good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
             self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
-            self._meta.fetched[rid] = (1, good)
+            box = find_box(self._engine_id) if self.world == 1 else None
+            if box is not None:  # the scheduler half is in this process: it takes it before its next match
+                box.post(rid, v.req.serial, good)
+            else:
+                self._meta.fetched[rid] = (1, good)
             if good < len(jobs):
                 self._failed_fetch(v.req, errors)
 

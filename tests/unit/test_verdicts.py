@@ -1,0 +1,43 @@
+"""The verdict box of a one-process engine: posts taken once, in full, by the engine they name."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+from vllm_kvplugin.connector.verdicts import find_box, open_box
+
+
+def test_posts_are_taken_once_and_the_latest_per_request_wins():
+    box = open_box("engine-a")
+    assert box.take() == []
+    box.post("r1", 1, 8)
+    box.post("r2", 2, 0)
+    box.post("r1", 3, 5)  # a later fetch of r1: its verdict replaces the earlier one
+    assert sorted(box.take()) == [("r1", 3, 5), ("r2", 2, 0)]
+    assert box.take() == []
+
+
+def test_a_worker_finds_only_its_own_engines_box_while_the_scheduler_keeps_it():
+    a, b = open_box("engine-x"), open_box("engine-y")
+    assert find_box("engine-x") is a and find_box("engine-y") is b
+    assert find_box("engine-z") is None  # no scheduler half in this process: the metadata path
+    del a
+    gc.collect()
+    assert find_box("engine-x") is None  # the engine is gone: nothing is posted to it
+    assert find_box("engine-y") is b
+
+
+def test_posts_from_other_threads_are_all_taken():
+    box = open_box("engine-threads")
+    threads = [threading.Thread(target=lambda i=i: [box.post(f"r{i}-{k}", k, k) for k in range(200)])
+               for i in range(4)]
+    got = []
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        got += box.take()
+    for t in threads:
+        t.join()
+    got += box.take()
+    assert len(got) == 800 and len({rid for rid, _, _ in got}) == 800

@@ -1,0 +1,61 @@
+"""A held-back hit's verdict, straight from the worker half to the scheduler half of one engine.
+
+Why: with async scheduling (vLLM's default on GPUs) the engine schedules step N+1 before it hands
+step N's output to the connector, so a verdict carried by the worker's metadata of step N reaches
+the scheduler one step after the worker gave it: an idle engine runs an empty step (0.6-0.8 ms on
+the H200, ``benchmarks/NOTES.md``), a busy one holds the hit a whole step longer.
+
+When the engine has one rank and both halves live in one process (vLLM's single-GPU executor),
+the worker posts its verdict into this engine's :class:`VerdictBox` instead, and the scheduler
+takes what is there before it matches a request.  Otherwise (several ranks, or the worker in a
+process of its own) verdicts go with the step's metadata, where the scheduler counts the ranks.
+
+Who calls: the scheduler half opens its engine's box when it is made (:func:`open_box`); the
+worker half looks for it when it gives a verdict (:func:`find_box`: the scheduler may be made
+after the worker).  Boxes are found by vLLM's ``engine_id``; a verdict names its fetch's
+``serial``, so one never applies to another fetch of the same request.  Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+
+class VerdictBox:
+    """Verdicts posted by the worker half and not taken yet: request -> (fetch serial, leading
+    objects verified)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[int, int]] = {}
+
+    def post(self, req_id: str, serial: int, good: int) -> None:
+        with self._lock:
+            self._items[req_id] = (serial, good)
+
+    def take(self) -> list[tuple[str, int, int]]:
+        """Every verdict posted since the last call, as (request, fetch serial, good)."""
+        if not self._items:  # a dict's truth is read atomically; a post racing this is taken next time
+            return []
+        with self._lock:
+            items, self._items = self._items, {}
+        return [(rid, serial, good) for rid, (serial, good) in items.items()]
+
+
+_lock = threading.Lock()
+_boxes: weakref.WeakValueDictionary[str, VerdictBox] = weakref.WeakValueDictionary()
+
+
+def open_box(engine_id: str) -> VerdictBox:
+    """The scheduler half's box for ``engine_id`` (it keeps the box alive)."""
+    with _lock:
+        box = VerdictBox()
+        _boxes[engine_id] = box
+        return box
+
+
+def find_box(engine_id: str) -> VerdictBox | None:
+    """The box of ``engine_id``'s scheduler half when it lives in this process."""
+    with _lock:
+        return _boxes.get(engine_id)
