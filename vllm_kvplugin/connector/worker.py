@@ -10,10 +10,11 @@ is holding back, checks header and size and starts their checksums; the verdict
 goes to the scheduler with the metadata of the step in which the hashes are in
 (``take_meta``: a step with tokens never waits for them, one without waits a
 bounded time rather than spin) -- or, for an engine of one rank whose scheduler
-half is in this process, straight into its box (``connector/verdicts.py``), and views of the verified bytes are kept
-(they stay put: pinned in the local tier, leased on the server; a restarted
-server's old pool stays mapped).  Then it *loads* claimed hits from those
-verified views only.  A load can thus only fail on a copy error: its
+half is in this process, straight into its box (``connector/verdicts.py``) --
+and views of the verified bytes are kept (they stay put: pinned in the local
+tier, leased on the server; a restarted server's old pool stays mapped).  Then
+it *loads* claimed hits from those verified views only.  A load can thus only
+fail on a copy error: its
 blocks are then reported to vLLM (by default vLLM ends the request with an error
 and drops the blocks from its prefix cache: ``load_failure_policy``), and every
 store of the step and of later metadata up to the scheduler's next epoch is
