@@ -16,6 +16,14 @@ def _payloads(n: int, nbytes: int) -> list[memoryview]:
     return [memoryview(rng.integers(0, 256, nbytes, dtype=np.uint8)) for _ in range(n)]
 
 
+def _eventually(ready, seconds: float = 1.0) -> None:
+    """Until ``ready()`` (callbacks run on other threads), at most ``seconds``."""
+    for _ in range(int(seconds / 0.01)):
+        if ready():
+            return
+        threading.Event().wait(0.01)
+
+
 def test_small_inputs_stay_on_the_calling_thread(monkeypatch):
     seen = set()
     monkeypatch.setattr(checksums, "payload_checksum",
@@ -117,10 +125,7 @@ def test_when_done_calls_back_once_after_the_last_hash(monkeypatch):
     assert calls == []  # every hash is held
     go.set()
     started_sums.result()
-    for _ in range(100):  # the callback runs on the hashing thread after the future is done
-        if calls:
-            break
-        threading.Event().wait(0.01)
+    _eventually(lambda: calls)  # the callback runs on the hashing thread after the future is done
     assert calls == [True]
     small = checksums.start_payload_checksums(_payloads(2, 16))
     small.when_done(lambda: calls.append("now"))
@@ -156,8 +161,5 @@ def test_joined_checksums_in_order_and_called_back_once_after_the_last_part(monk
     assert calls == [] and not joined.done()
     go.set()
     assert joined.result() == [payload_checksum(p) for p in a + b]
-    for _ in range(100):
-        if calls:
-            break
-        threading.Event().wait(0.01)
+    _eventually(lambda: calls)
     assert calls == [True]

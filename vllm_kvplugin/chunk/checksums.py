@@ -61,6 +61,19 @@ class PendingChecksums(Protocol):
         """The checksums (waits for them)."""
 
 
+def _after_all(n: int, callback: Callable[[], None]) -> Callable[..., None]:
+    """A function that calls ``callback()`` on its ``n``-th call (whatever it is given)."""
+    left, lock = [n], threading.Lock()
+
+    def one_done(*_) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            callback()
+    return one_done
+
+
 class JoinedChecksums:
     """Several pending checksums as one, in their order."""
 
@@ -71,17 +84,10 @@ class JoinedChecksums:
         return all(p.done() for p in self._parts)
 
     def when_done(self, callback: Callable[[], None]) -> None:
-        left, lock = [len(self._parts)], threading.Lock()
         if not self._parts:
             callback()
             return
-
-        def one_done() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                callback()
+        one_done = _after_all(len(self._parts), callback)
         for p in self._parts:
             p.when_done(one_done)
 
@@ -121,14 +127,7 @@ class StartedChecksums:
         if not threaded:
             callback()
             return
-        left, lock = [len(threaded)], threading.Lock()
-
-        def one_done(_f: Future) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                callback()
+        one_done = _after_all(len(threaded), callback)
         for f in threaded:
             f.add_done_callback(one_done)
 

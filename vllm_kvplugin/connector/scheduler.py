@@ -493,7 +493,6 @@ class SchedulerSide:
                 self._storing[key] = left
             else:
                 self._storing.pop(key, None)
-        self._take_verdicts()
         for rid, (ranks, good) in meta.fetched.items():
             self._verdict(rid, ranks, good)
         for g, slot in meta.bad_slots:  # failed verification: never offered again
