@@ -228,3 +228,45 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
                     assert generate(llm, [q])[0].token_ids == want_q
         finally:
             shutdown(llm)
+
+
+def test_a_hit_whose_device_digests_cannot_start_is_recomputed_and_kept(qwen3_model, baseline, prompts,
+                                                                        monkeypatch):
+    """On a GPU a hit's prefetched objects are verified by digests on the device; should those
+    not start (mocked here: the CPU engine prefetches nothing), the objects get no verdict: the
+    hit is recomputed, counted as ``verify_error``, the objects are not dropped (nothing is
+    known to be wrong with them), and the next run hits in full on poisoned KV."""
+    want, _, _ = baseline
+    p, want_p = prompts["checksum"][0], want["checksum"][0]
+
+    class Staged:  # what a CUDA prefetch tells the worker: how many leading objects it holds
+        def __init__(self, bufs):
+            self.rows = len(bufs)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [p])[0].token_ids == want_p
+            eng = probe.worker.engine
+            started = []
+
+            def digest_fails_once(pre):
+                started.append(pre.rows)
+                if len(started) == 1:
+                    raise RuntimeError("injected: no device memory for the digests")
+                return None  # the host verifies, as on an engine without device digests
+            monkeypatch.setattr(eng, "prefetch", lambda layout, bufs: Staged(bufs))
+            monkeypatch.setattr(eng, "digest", digest_fails_once)
+            probe.poison_all_blocks()
+            r = generate(llm, [p])[0]
+            s = vllm_kvplugin.stats()
+            assert started == [8]
+            assert r.token_ids == want_p and r.num_cached_tokens == 0
+            assert s["load_failures"] == {"verify_error": 1} and s["dropped_objects"] == 0
+            probe.poison_all_blocks(seed=1)
+            r = generate(llm, [p])[0]
+            assert started == [8, 8]
+            assert r.token_ids == want_p and r.num_cached_tokens == 8 * CHUNK
+            assert vllm_kvplugin.stats()["load_failures"] == {"verify_error": 1}
+        finally:
+            shutdown(llm)

@@ -302,12 +302,23 @@ class WorkerSide(StorePath):
         # the copy goes first: the first hashes keep the threads busy while the rest are queued
         prefetched = self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
         if verify:
+            unverifiable: list[int] = []
             for g, (pre, _) in prefetched.items():
-                digests = self.engine.digest(pre)
+                rows = [n for n in found if jobs[n].group == g][:pre.rows]
+                try:
+                    digests = self.engine.digest(pre)
+                except Exception as e:  # no verdict for those rows: recomputed, nothing known bad
+                    logger.exception("vllm-kvplugin: %s: device digests of %d objects could not be started",
+                                     req.req_id, len(rows))
+                    trouble = TierTrouble("verify_error", f"device digests could not be started ({e})")
+                    for n in rows:
+                        errors[n] = errors[n] or trouble
+                    unverifiable += rows
+                    continue
                 if digests is not None:
                     parts.append(digests)
-                    order += [n for n in found if jobs[n].group == g][:pre.rows]
-            covered = set(order)
+                    order += rows
+            covered = set(order) | set(unverifiable)
             rest = [n for n in found if n not in covered]
             if rest:
                 parts.append(start_payload_checksums([found[n][1] for n in rest]))
