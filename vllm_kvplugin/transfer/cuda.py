@@ -447,7 +447,9 @@ class CudaTransfer:
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
-        ev = torch.cuda.Event()
+        """An event recorded on ``stream`` now.  Blocking: a thread that waits for it (the store
+        finisher, the digest waiter) sleeps instead of spinning a core for the length of a copy."""
+        ev = torch.cuda.Event(blocking=True)
         ev.record(stream)
         return ev
 

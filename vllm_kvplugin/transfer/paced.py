@@ -96,7 +96,7 @@ class PacedCopies:
                 except Exception as e:  # the job fails (its ticket raises), the queue goes on
                     job.error = e
                     job.pieces.clear()
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # drain() sleeps on it rather than spin
                 ev.record(self.stream)
                 self._out.append(ev)
                 if not job.pieces:
