@@ -68,8 +68,29 @@ def _server_flip(probe, tokens, address):
     return flip, c
 
 
-@pytest.mark.parametrize("tier", ["local", "server"])
-def test_transient_fault_poisons_nothing(qwen3_model, tier, request):
+def _outputs_a_step_late(monkeypatch) -> None:
+    """vLLM's async scheduling (its default on a GPU; the CPU platform turns it off) hands a
+    step's output to the connector only after the next step was scheduled: emulated here by
+    applying each output one call later."""
+    from vllm_kvplugin.connector.scheduler import SchedulerSide
+
+    orig, held = SchedulerSide.update_connector_output, {}
+
+    def late(self, output):
+        prev, held[id(self)] = held.get(id(self)), output
+        if prev is not None:
+            orig(self, prev)
+    monkeypatch.setattr(SchedulerSide, "update_connector_output", late)
+
+
+@pytest.mark.parametrize("tier", ["local", "server", "local-late-outputs"])
+def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch):
+    """``local-late-outputs``: the worker's outputs reach the scheduler a step late (as under
+    async scheduling), while its verdicts go straight to the scheduler: the object that failed
+    must still be dropped before the hit is claimed, or the request would never store it again."""
+    if tier == "local-late-outputs":
+        _outputs_a_step_late(monkeypatch)
+        tier = "local"
     want_p, want_p2 = _baseline(qwen3_model, BLOCK, [[P], [P2]], budget=CHUNK)
     cfg = {"chunk_size": CHUNK}
     srv = None

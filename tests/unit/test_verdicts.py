@@ -10,12 +10,23 @@ from vllm_kvplugin.connector.verdicts import find_box, open_box
 
 def test_posts_are_taken_once_and_the_latest_per_request_wins():
     box = open_box("engine-a")
-    assert box.take() == []
+    assert box.take() == ([], {})
     box.post("r1", 1, 8)
     box.post("r2", 2, 0)
     box.post("r1", 3, 5)  # a later fetch of r1: its verdict replaces the earlier one
-    assert sorted(box.take()) == [("r1", 3, 5), ("r2", 2, 0)]
-    assert box.take() == []
+    verdicts, bad = box.take()
+    assert sorted(verdicts) == [("r1", 3, 5), ("r2", 2, 0)] and bad == {}
+    assert box.take() == ([], {})
+
+
+def test_bad_slots_are_taken_with_the_verdicts_even_when_a_verdict_is_replaced():
+    box = open_box("engine-bad")
+    box.post("r1", 1, 2, {(0, 7): "checksum"})
+    box.post("r1", 2, 3, {(0, 9): "checksum", (1, 7): "bad_header"})  # replaces r1's verdict, not its bad slot
+    verdicts, bad = box.take()
+    assert verdicts == [("r1", 2, 3)]
+    assert bad == {(0, 7): "checksum", (0, 9): "checksum", (1, 7): "bad_header"}
+    assert box.take() == ([], {})
 
 
 def test_a_worker_finds_only_its_own_engines_box_while_the_scheduler_keeps_it():
@@ -36,8 +47,8 @@ def test_posts_from_other_threads_are_all_taken():
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        got += box.take()
+        got += box.take()[0]
     for t in threads:
         t.join()
-    got += box.take()
+    got += box.take()[0]
     assert len(got) == 800 and len({rid for rid, _, _ in got}) == 800

@@ -478,9 +478,18 @@ class SchedulerSide:
                 tr.server_hits = min(tr.server_hits, f.jobs[f.good].position)
 
     def _take_verdicts(self) -> None:
-        """Verdicts the worker half of a one-process, one-rank engine posted (connector/verdicts.py)."""
-        for rid, serial, good in self._verdicts.take():
+        """Verdicts the worker half of a one-process, one-rank engine posted (connector/verdicts.py);
+        the objects that failed are dropped first, so that a claim's stores put them back."""
+        verdicts, bad = self._verdicts.take()
+        self._drop_bad(bad)
+        for rid, serial, good in verdicts:
             self._verdict(rid, 1, good, serial)
+
+    def _drop_bad(self, slots) -> None:
+        """Objects that failed verification: never offered again."""
+        for g, slot in slots:
+            self.local[g].drop(slot)
+            counters.SCHEDULER.add(dropped_objects=1)
 
     def update_connector_output(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
@@ -495,9 +504,7 @@ class SchedulerSide:
                 self._storing.pop(key, None)
         for rid, (ranks, good) in meta.fetched.items():
             self._verdict(rid, ranks, good)
-        for g, slot in meta.bad_slots:  # failed verification: never offered again
-            self.local[g].drop(slot)
-            counters.SCHEDULER.add(dropped_objects=1)
+        self._drop_bad(meta.bad_slots)
         for rid, n in meta.loads_done.items():
             acks = self._load_acks.get(rid, 0) + n
             if acks < self.world_size:

@@ -7,7 +7,10 @@ the H200, ``benchmarks/NOTES.md``), a busy one holds the hit a whole step longer
 
 When the engine has one rank and both halves live in one process (vLLM's single-GPU executor),
 the worker posts its verdict into this engine's :class:`VerdictBox` instead, and the scheduler
-takes what is there before it matches a request.  Otherwise (several ranks, or the worker in a
+takes what is there before it matches a request.  A verdict carries the local tier's slots whose
+objects failed, so the scheduler drops them before it claims the hit: the request then stores
+those chunks again (had the drop come a step after the claim, the index would still have held
+the key when the request's stores were decided, and the chunk would never be stored again).  Otherwise (several ranks, or the worker in a
 process of its own) verdicts go with the step's metadata, where the scheduler counts the ranks.
 
 Who calls: the scheduler half opens its engine's box when it is made (:func:`open_box`); the
@@ -21,26 +24,35 @@ from __future__ import annotations
 import threading
 import weakref
 
+Slot = tuple[int, int]  # (group, slot) of the local tier
+
 
 class VerdictBox:
     """Verdicts posted by the worker half and not taken yet: request -> (fetch serial, leading
-    objects verified)."""
+    objects verified), and the local slots found bad (each taken once, whatever replaced its
+    verdict)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, tuple[int, int]] = {}
+        self._bad: dict[Slot, str] = {}
 
-    def post(self, req_id: str, serial: int, good: int) -> None:
+    def post(self, req_id: str, serial: int, good: int, bad: dict[Slot, str] | None = None) -> None:
+        """``bad``: local slots whose objects failed verification -> the reason."""
         with self._lock:
             self._items[req_id] = (serial, good)
+            for slot, why in (bad or {}).items():
+                self._bad.setdefault(slot, why)
 
-    def take(self) -> list[tuple[str, int, int]]:
-        """Every verdict posted since the last call, as (request, fetch serial, good)."""
+    def take(self) -> tuple[list[tuple[str, int, int]], dict[Slot, str]]:
+        """Every verdict posted since the last call, as (request, fetch serial, good), and the
+        bad slots posted with them."""
         if not self._items:  # a dict's truth is read atomically; a post racing this is taken next time
-            return []
+            return [], {}
         with self._lock:
             items, self._items = self._items, {}
-        return [(rid, serial, good) for rid, (serial, good) in items.items()]
+            bad, self._bad = self._bad, {}
+        return [(rid, serial, good) for rid, (serial, good) in items.items()], bad
 
 
 _lock = threading.Lock()

@@ -365,13 +365,13 @@ class WorkerSide(StorePath):
                         errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
             good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
             self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
+            bad = self._failed_fetch(v.req, errors) if good < len(jobs) else {}
             box = find_box(self._engine_id) if self.world == 1 else None
             if box is not None:  # the scheduler half is in this process: it takes it before its next match
-                box.post(rid, v.req.serial, good)
+                box.post(rid, v.req.serial, good, bad)
             else:
                 self._meta.fetched[rid] = (1, good)
-            if good < len(jobs):
-                self._failed_fetch(v.req, errors)
+                self._meta.bad_slots.update(bad)
 
     def _wait_while_idle(self) -> None:
         """In a step that scheduled no tokens (nothing else to hold up): wait, up to
@@ -441,22 +441,25 @@ class WorkerSide(StorePath):
                 header_t, payload_t = self.server.views(off, size)
                 views[n] = (bytes(header_t.numpy()), payload_t)
 
-    def _failed_fetch(self, req: FetchRequest, errors) -> None:
+    def _failed_fetch(self, req: FetchRequest, errors) -> dict[tuple[int, int], str]:
+        """Count and log a fetch's first failure; drop its corrupt server objects; return its
+        corrupt local slots (group, slot) -> reason, for the scheduler to drop with the verdict."""
         first = next(n for n, e in enumerate(errors) if e is not None)
         job, e = req.jobs[first], errors[first]
         counters.WORKER.failure(e.reason)
         logger.warning("vllm-kvplugin: %s: object of chunk %d (group %d) not served (%s); recomputing",
                        req.req_id, job.position, job.group, e)
-        corrupt = []
+        corrupt, bad = [], {}
         for job, e in zip(req.jobs, errors):
             if not isinstance(e, ChunkError):
                 continue  # fine, or the tier could not answer: nothing known to be wrong with it
             if job.slot >= 0:
-                self._meta.bad_slots[(job.group, job.slot)] = e.reason
+                bad[(job.group, job.slot)] = e.reason
             elif job.lease and self.server is not None:
                 corrupt.append(self.server.object_id(job.key, job.group))
         if corrupt:
             self.server.drop(corrupt)
+        return bad
 
     # -------------------------------------------------------------------- loads
     def _load(self, req: LoadRequest, epoch: int) -> None:
