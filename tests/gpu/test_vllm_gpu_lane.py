@@ -51,6 +51,19 @@ def registered():
     register()
 
 
+@pytest.fixture(autouse=True)
+def no_engine_left_over():
+    """A failed test's traceback (kept by pytest as ``sys.last_traceback``) holds its engine;
+    freed while the next engine profiles its memory, it fails that start ("Error in memory
+    profiling"), so one failure would fail the next test too.  Free it before each test."""
+    import gc
+
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+    torch.cuda.empty_cache()
+
 @pytest.fixture(scope="module")
 def model() -> str:
     from vllm_kvplugin import tiny_model
