@@ -357,3 +357,36 @@ def test_server_objects_beyond_the_staging_room_are_not_stored(qwen3_model, serv
             assert warm.token_ids == want_q and warm.num_cached_tokens == 2 * CHUNK, warm.num_cached_tokens
         finally:
             shutdown(llm)
+
+
+@pytest.mark.newest_lane
+@pytest.mark.parametrize("grace_s", [5.0, 0.0])
+def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, server, monkeypatch, grace_s):
+    """The scheduler waits briefly for the server's answer to a lookup it sends (the GIL
+    released), so a hit on the server is fetched in the very step that looks it up rather than
+    a step later.  With the grace long enough for any answer here the repeat's fetch is the
+    first step's; with none, the old behaviour (held back a step at least) -- so the grace is
+    what makes the difference.  Full hits and right outputs on poisoned KV either way."""
+    from test_integrity import CHUNK, P, _watch_verdicts
+
+    from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import scheduler as smod
+
+    monkeypatch.setattr(smod, "LOOKUP_GRACE_S", grace_s)
+    want = _baseline(qwen3_model, 32, [[P]], budget=CHUNK)[0]
+    events = _watch_verdicts(monkeypatch, payload_checksum)
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(10)
+            probe.poison_all_blocks()
+            events.clear()
+            warm = generate(llm, [P])[0]
+            before_fetch = events[:events.index(("fetch", 0))]
+            assert (before_fetch == []) if grace_s else (len(before_fetch) >= 1), events
+            assert warm.token_ids == want and warm.num_cached_tokens == (len(P) - 1) // CHUNK * CHUNK
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)

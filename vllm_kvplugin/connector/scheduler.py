@@ -9,8 +9,10 @@ step.
 A hit is claimed only once every rank verified its bytes (DESIGN.md rule 7):
 
 1. the first ``get_num_new_matched_tokens`` looks the prompt up (local tier,
-   cache server), pins what the plan needs and answers ``None``: vLLM holds the
-   request back and asks again next step, while the workers fetch and verify;
+   cache server: its answer is waited for briefly, :data:`LOOKUP_GRACE_S`, else
+   asked for again next step), pins what the plan needs and answers ``None``:
+   vLLM holds the request back and asks again next step, while the workers fetch
+   and verify;
 2. their verdict arrives through ``update_connector_output``;
 3. the next ``get_num_new_matched_tokens`` plans again from the verified objects
    only and claims that many tokens; ``update_state_after_alloc`` turns the plan
@@ -60,6 +62,12 @@ logger = logging.getLogger(__name__)
 
 #: a server lookup is still on its way (``SchedulerSide._lookup``)
 _ASKING = object()
+
+#: how long one step's matching may wait, in all, for the cache server's answers to the lookups
+#: it sends (the GIL released) before it holds their requests back a step instead.  A server on
+#: the node answers in well under a millisecond; a request held back waits a whole step (on the
+#: H200 an idle engine's step took 2.4 ms, a busy one's tens of milliseconds).
+LOOKUP_GRACE_S = 0.002
 
 @dataclass
 class Fetch:
@@ -149,6 +157,7 @@ class SchedulerSide:
         self._started: set[str] = set()  # requests scheduled and not finished (any of them)
         self._holding = False  # this step's scheduling held a request back for this connector
         self._fetches = 0  # fetches issued (their serials)
+        self._grace_left = LOOKUP_GRACE_S  # of this step's wait for server lookups
         self._verdicts = open_box(_common.engine_id(vllm_config))  # a one-process engine's verdicts
         logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s",
                     self.chunk_size, num_slots, "; ".join(g.describe() for g in self.groups))
@@ -225,6 +234,15 @@ class SchedulerSide:
         if pending and not any(f.done() for f in pending):
             futures_wait(pending, IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
+    def _await_briefly(self, lookup) -> None:
+        """Wait for a lookup just sent, within what is left of this step's grace
+        (:data:`LOOKUP_GRACE_S`): its answer then plans the hit in this very step."""
+        if self._grace_left <= 0:
+            return
+        t0 = time.monotonic()
+        futures_wait([lookup], self._grace_left)
+        self._grace_left -= time.monotonic() - t0
+
     def _being_stored(self, tr: RequestTracker, now: float) -> bool:
         """Chunks of the prompt whose stores every rank has not acknowledged yet (their copies
         finish after their step): wait for them, a bounded time, rather than miss them."""
@@ -246,6 +264,7 @@ class SchedulerSide:
         if self.server is not None and local_end < max_hit:
             if tr.server_lookup is None:
                 tr.server_lookup = self.server.lookup_async(tr.keys[:max_hit], num_computed // C)
+                self._await_briefly(tr.server_lookup)
             if not tr.server_lookup.done():
                 return _ASKING
             future, tr.server_lookup = tr.server_lookup, None
@@ -353,6 +372,7 @@ class SchedulerSide:
             self._wait_for_a_lookup()
         self._pending_fetches, self._pending_loads, self._forget = [], [], []
         self._holding = False
+        self._grace_left = LOOKUP_GRACE_S  # the next step's
         for nr in so.scheduled_new_reqs:
             tr = self._reqs.get(nr.req_id)
             if tr is not None:
