@@ -68,18 +68,14 @@ allocation that fails anyway is no prefetch (the load copies), never an error.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
-import xxhash
 
 from vllm_kvplugin import ops
 from vllm_kvplugin.chunk.format import SEGMENT_BYTES, segment_count
 from vllm_kvplugin.layout.descriptor import KVLayout
+from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging, StoreTicket
 from vllm_kvplugin.transfer.paced import DmaJob, PacedCopies, Piece
 
 logger = logging.getLogger(__name__)
@@ -100,102 +96,6 @@ DMA_PIECE_BYTES = 32 << 20
 DMA_WINDOW = 1
 #: the automatic staging cap leaves at least this much of the device free
 STAGING_RESERVE_BYTES = 2 << 30
-
-
-@dataclass
-class _Staging:
-    tensor: torch.Tensor  # uint8, flat
-    busy: torch.cuda.Event | None = None  # completes when its last user is done
-    last_use: int = 0
-    held: bool = False  # by a prefetch, until its load or release
-    pacing: DmaJob | None = None  # a store whose DMAs from it are not all issued yet
-
-
-class Prefetch:
-    """Host chunks already on their way to (or in) a device staging buffer: a later ``load``
-    scatters rows of it without touching the link.  Holds the staging buffer until released.
-    The copy goes in pieces (``pieces``: (first row, end row, event when they are in)), so a
-    scatter of early rows need not wait for the last ones."""
-
-    __slots__ = ("staging", "stage", "event", "nbytes", "rows", "pieces")
-
-    def __init__(self, staging: _Staging, stage: torch.Tensor, pieces: list[tuple[int, int, torch.cuda.Event]],
-                 nbytes: int):
-        self.staging = staging
-        self.stage = stage
-        self.pieces = pieces
-        self.event = pieces[-1][2]  # all of it
-        self.nbytes = nbytes
-        self.rows = stage.shape[0]  # the leading objects it holds
-
-    def event_for(self, row: int) -> torch.cuda.Event:
-        """The event after which ``row`` is on the device."""
-        return next(ev for a, b, ev in self.pieces if a <= row < b)
-
-
-_waiter_lock = threading.Lock()
-_waiter: ThreadPoolExecutor | None = None
-_waiter_pid = -1
-
-
-def _wait_thread() -> ThreadPoolExecutor:
-    """The thread that waits for device digests on behalf of ``when_done`` callers (one per
-    process: a forked child makes its own)."""
-    global _waiter, _waiter_pid
-    with _waiter_lock:
-        if _waiter is None or _waiter_pid != os.getpid():
-            _waiter = ThreadPoolExecutor(1, thread_name_prefix="kvplugin-digest-wait")
-            _waiter_pid = os.getpid()
-        return _waiter
-
-
-class DeviceDigests:
-    """Payload digests of rows of device bytes, computed there (a
-    :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`): ``segments`` is a page-locked
-    ``[rows, segments]`` int64 tensor that holds the segments' xxh3 once ``event`` completed."""
-
-    __slots__ = ("segments", "event", "device")
-
-    def __init__(self, segments: torch.Tensor, event: torch.cuda.Event, device: torch.device):
-        self.segments = segments
-        self.event = event
-        self.device = device
-
-    def done(self) -> bool:
-        return self.event.query()
-
-    def when_done(self, callback: Callable[[], None]) -> None:
-        if self.done():
-            callback()
-            return
-
-        def wait() -> None:
-            with torch.cuda.device(self.device):
-                self.event.synchronize()  # releases the GIL
-            callback()
-        _wait_thread().submit(wait)
-
-    def result(self) -> list[int]:
-        self.event.synchronize()
-        rows = self.segments.numpy().view("<u8")  # the segments' xxh3 as little-endian u64
-        return [xxhash.xxh3_64_intdigest(row) for row in rows]  # = combine_segments(row)
-
-
-class StoreTicket:
-    """Completes when the chunk bytes are in the host buffers: after ``events`` and, for a
-    staged store, after its paced DMAs (``job``).  ``digests``: the staged rows' payload digests
-    (their host buffers ``digested``), computed on the device."""
-
-    __slots__ = ("events", "job", "nbytes", "path", "digests", "digested")
-
-    def __init__(self, events: list[torch.cuda.Event], nbytes: int, path: str, job: DmaJob | None = None,
-                 digests: DeviceDigests | None = None, digested: Sequence[torch.Tensor] = ()):
-        self.events = events
-        self.job = job
-        self.nbytes = nbytes
-        self.path = path
-        self.digests = digests
-        self.digested = list(digested)
 
 
 def _groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]:
@@ -269,7 +169,7 @@ class CudaTransfer:
             self._d2h = torch.cuda.Stream(device)  # staging -> host DMAs
             self._h2d = torch.cuda.Stream(device)  # host -> staging DMAs
             self._dig = torch.cuda.Stream(device)  # payload digests (and their copy to the host)
-        self._pool: list[_Staging] = []
+        self._pool: list[Staging] = []
         self._uses = 0
         self._pending_gathers: list[torch.cuda.Event] = []
         self._host_reads: dict[int, torch.cuda.Event] = {}
@@ -330,7 +230,7 @@ class CudaTransfer:
         held = sum(e.tensor.numel() for e in self._pool)
         return max(0, min(total // 4, held + free - STAGING_RESERVE_BYTES))
 
-    def _acquire(self, nbytes: int, hold: bool = False) -> _Staging:
+    def _acquire(self, nbytes: int, hold: bool = False) -> Staging:
         """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``.  ``hold``:
         kept for a prefetch until released (never handed out meanwhile)."""
         self._uses += 1
@@ -342,12 +242,12 @@ class CudaTransfer:
             total = sum(e.tensor.numel() for e in self._pool)
             if not self._pool or (len(self._pool) < self.max_staging_buffers
                                   and total + nbytes <= self.staging_cap_bytes):
-                e = _Staging(self._alloc(nbytes))
+                e = Staging(self._alloc(nbytes))
                 self._pool.append(e)
             else:  # reuse the least recently used one (device-side wait), growing it if needed
                 unheld = [e for e in self._pool if not e.held]
                 if not unheld:  # every buffer held by a prefetch: one more, beyond the counts
-                    unheld = [_Staging(self._alloc(nbytes))]
+                    unheld = [Staging(self._alloc(nbytes))]
                     self._pool.append(unheld[0])
                 e = min(unheld, key=lambda e: (e.pacing is not None, e.last_use))
                 if e.pacing is not None:  # its store's last DMAs first (their event becomes ``busy``)
