@@ -267,6 +267,14 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_bytes_per_s: 
             each = [(x - y) / link if link else x / y for x, y in zip(a, b)]
             ratios[name] = round(statistics.median(each), 3)
             ratios[name + "_each_round"] = [round(x, 3) for x in each]
+        # the server's time above its engine's own hit over the in-process tier's above its own:
+        # the raw warm ratio also holds how fast each engine process launches (eager mode)
+        srv_w, srv_own, kv_own = col("kvplugin-server", "warm_s"), col("kvplugin-server", "own_apc_s"), \
+            col("kvplugin", "own_apc_s")
+        if kv_w and srv_w and srv_own and kv_own:
+            each = [(sw - so) / (kw - ko) for sw, so, kw, ko in zip(srv_w, srv_own, kv_w, kv_own)]
+            ratios["server_vs_inprocess_above_own_hit"] = round(statistics.median(each), 3)
+            ratios["server_vs_inprocess_above_own_hit_each_round"] = [round(x, 3) for x in each]
         out[n] = ratios
     return out
 
