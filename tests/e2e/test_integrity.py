@@ -479,6 +479,38 @@ def test_an_idle_step_waits_for_the_verdict(qwen3_model, monkeypatch, tier, requ
             shutdown(llm)
 
 
+def test_a_repeat_on_an_idle_engine_is_fetched_at_once(qwen3_model, monkeypatch):
+    """Stores finish on the finisher's thread (as on a GPU), here slower than the engine's steps:
+    once they are done the engine is idle, and a repeat of the prompt must be fetched in its
+    first step -- the finisher hands what finished straight to the scheduler half of this
+    one-process engine, rather than with the next step's output, until which the scheduler
+    would count the prompt's chunks as being stored and hold the repeat back."""
+    import time
+
+    from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import finisher as fmod
+    from vllm_kvplugin.connector import worker as wmod
+
+    monkeypatch.setattr(fmod, "ASYNC_ON_HOST", True)
+    finish = wmod.WorkerSide._finish
+    monkeypatch.setattr(wmod.WorkerSide, "_finish", lambda self, entry: time.sleep(0.2) or finish(self, entry))
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    events = _watch_verdicts(monkeypatch, payload_checksum)
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)  # every store done, the engine idle since
+            probe.poison_all_blocks()
+            events.clear()
+            warm = generate(llm, [P])[0]
+            assert events[:events.index(("fetch", 0))] == [], events
+            assert warm.token_ids == want and warm.num_cached_tokens == 8 * CHUNK
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)
+
+
 def test_no_idle_wait_while_a_batch_may_be_in_flight(qwen3_model, monkeypatch):
     """vLLM's asynchronous scheduling runs steps that schedule no tokens while a batch is still on
     the device; a wait there delays that batch's output (on the H200 every cold prompt of more

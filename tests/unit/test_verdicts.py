@@ -5,28 +5,40 @@ from __future__ import annotations
 import gc
 import threading
 
-from vllm_kvplugin.connector.verdicts import find_box, open_box
+from vllm_kvplugin.connector.verdicts import Posted, find_box, open_box
 
 
 def test_posts_are_taken_once_and_the_latest_per_request_wins():
     box = open_box("engine-a")
-    assert box.take() == ([], {})
+    assert box.take() == Posted() and not box.pending()
     box.post("r1", 1, 8)
     box.post("r2", 2, 0)
     box.post("r1", 3, 5)  # a later fetch of r1: its verdict replaces the earlier one
-    verdicts, bad = box.take()
-    assert sorted(verdicts) == [("r1", 3, 5), ("r2", 2, 0)] and bad == {}
-    assert box.take() == ([], {})
+    assert box.pending()
+    posted = box.take()
+    assert sorted(posted.verdicts) == [("r1", 3, 5), ("r2", 2, 0)] and posted.bad == {}
+    assert box.take() == Posted() and not box.pending()
 
 
 def test_bad_slots_are_taken_with_the_verdicts_even_when_a_verdict_is_replaced():
     box = open_box("engine-bad")
     box.post("r1", 1, 2, {(0, 7): "checksum"})
     box.post("r1", 2, 3, {(0, 9): "checksum", (1, 7): "bad_header"})  # replaces r1's verdict, not its bad slot
-    verdicts, bad = box.take()
-    assert verdicts == [("r1", 2, 3)]
-    assert bad == {(0, 7): "checksum", (0, 9): "checksum", (1, 7): "bad_header"}
-    assert box.take() == ([], {})
+    posted = box.take()
+    assert posted.verdicts == [("r1", 2, 3)]
+    assert posted.bad == {(0, 7): "checksum", (0, 9): "checksum", (1, 7): "bad_header"}
+    assert box.take() == Posted()
+
+
+def test_store_results_add_up_until_taken():
+    box = open_box("engine-stores")
+    box.post_stores({(0, 1): 1}, {}, {b"k1": 1})
+    assert box.pending()
+    box.post_stores({(0, 1): 1, (0, 2): 1}, {(1, 3): 1}, {b"k1": 1, b"k2": 1})
+    posted = box.take()
+    assert posted.stored == {(0, 1): 2, (0, 2): 1} and posted.store_failed == {(1, 3): 1}
+    assert posted.store_done == {b"k1": 2, b"k2": 1} and posted.verdicts == []
+    assert box.take() == Posted()
 
 
 def test_a_worker_finds_only_its_own_engines_box_while_the_scheduler_keeps_it():
@@ -47,8 +59,8 @@ def test_posts_from_other_threads_are_all_taken():
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        got += box.take()[0]
+        got += box.take().verdicts
     for t in threads:
         t.join()
-    got += box.take()[0]
+    got += box.take().verdicts
     assert len(got) == 800 and len({rid for rid, _, _ in got}) == 800

@@ -498,12 +498,24 @@ class SchedulerSide:
                 tr.server_hits = min(tr.server_hits, f.jobs[f.good].position)
 
     def _take_verdicts(self) -> None:
-        """Verdicts the worker half of a one-process, one-rank engine posted (connector/verdicts.py);
-        the objects that failed are dropped first, so that a claim's stores put them back."""
-        verdicts, bad = self._verdicts.take()
-        self._drop_bad(bad)
-        for rid, serial, good in verdicts:
+        """What the worker half of a one-process, one-rank engine posted (connector/verdicts.py):
+        finished stores, then verdicts -- the objects that failed dropped first, so that a
+        claim's stores put them back."""
+        posted = self._verdicts.take()
+        self._stores_finished(posted.stored, posted.store_failed, posted.store_done)
+        self._drop_bad(posted.bad)
+        for rid, serial, good in posted.verdicts:
             self._verdict(rid, 1, good, serial)
+
+    def _stores_finished(self, stored, failed, done) -> None:
+        """Slots stored or failed (acknowledgements per slot), keys acknowledged (per key)."""
+        self._settle_stores(stored, failed)
+        for key, n in done.items():
+            left = self._storing.get(key, 0) - n
+            if left > 0:
+                self._storing[key] = left
+            else:
+                self._storing.pop(key, None)
 
     def _drop_bad(self, slots) -> None:
         """Objects that failed verification: never offered again."""
@@ -512,16 +524,11 @@ class SchedulerSide:
             counters.SCHEDULER.add(dropped_objects=1)
 
     def update_connector_output(self, output: Any) -> None:
+        self._take_verdicts()  # finished stores commit their slots every step, requests waiting or not
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVPluginWorkerMeta):
             return
-        self._settle_stores(meta)
-        for key, n in meta.store_done.items():
-            left = self._storing.get(key, 0) - n
-            if left > 0:
-                self._storing[key] = left
-            else:
-                self._storing.pop(key, None)
+        self._stores_finished(meta.stored, meta.store_failed, meta.store_done)
         for rid, (ranks, good) in meta.fetched.items():
             self._verdict(rid, ranks, good)
         self._drop_bad(meta.bad_slots)
@@ -542,13 +549,13 @@ class SchedulerSide:
             if tr is not None:  # stored again once recomputed
                 tr.stored_upto = min(tr.stored_upto, pos)
 
-    def _settle_stores(self, meta: KVPluginWorkerMeta) -> None:
+    def _settle_stores(self, stored, store_failed) -> None:
         """A slot is committed once every rank reported on it: READY if none failed, else freed."""
-        slots = set(meta.stored) | set(meta.store_failed)
+        slots = set(stored) | set(store_failed)
         for slot in sorted(slots, key=lambda s: -self._slot_chunk.get(s, 0)):
             acks, failed = self._store_acks.get(slot, (0, False))
-            acks += meta.stored.get(slot, 0) + meta.store_failed.get(slot, 0)
-            failed = failed or slot in meta.store_failed
+            acks += stored.get(slot, 0) + store_failed.get(slot, 0)
+            failed = failed or slot in store_failed
             if acks < self.world_size:
                 self._store_acks[slot] = (acks, failed)
                 continue

@@ -10,8 +10,15 @@ the worker posts its verdict into this engine's :class:`VerdictBox` instead, and
 takes what is there before it matches a request.  A verdict carries the local tier's slots whose
 objects failed, so the scheduler drops them before it claims the hit: the request then stores
 those chunks again (had the drop come a step after the claim, the index would still have held
-the key when the request's stores were decided, and the chunk would never be stored again).  Otherwise (several ranks, or the worker in a
-process of its own) verdicts go with the step's metadata, where the scheduler counts the ranks.
+the key when the request's stores were decided, and the chunk would never be stored again).
+
+The store finisher posts what finished there too (slots stored or failed, keys acknowledged): a
+store that ends while the engine is idle is otherwise heard of only with the next step's output,
+so a prompt repeated then was held back a step or two while the scheduler still counted its
+chunks as being stored.
+
+Otherwise (several ranks, or the worker in a process of its own) all of it goes with the step's
+metadata, where the scheduler counts the ranks.
 
 Who calls: the scheduler half opens its engine's box when it is made (:func:`open_box`); the
 worker half looks for it when it gives a verdict (:func:`find_box`: the scheduler may be made
@@ -23,36 +30,68 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass, field
 
 Slot = tuple[int, int]  # (group, slot) of the local tier
 
 
+@dataclass(frozen=True)
+class Posted:
+    """What :meth:`VerdictBox.take` hands the scheduler: verdicts as (request, fetch serial,
+    good), local slots that failed verification (-> reason), and finished stores: slots stored
+    and slots whose store failed (-> acknowledgements), keys acknowledged (-> count)."""
+
+    verdicts: list[tuple[str, int, int]] = field(default_factory=list)
+    bad: dict[Slot, str] = field(default_factory=dict)
+    stored: dict[Slot, int] = field(default_factory=dict)
+    store_failed: dict[Slot, int] = field(default_factory=dict)
+    store_done: dict[bytes, int] = field(default_factory=dict)
+
+
+_NOTHING = Posted()  # (never changed)
+
+
+def _add(into: dict, counts: dict) -> None:
+    for k, n in counts.items():
+        into[k] = into.get(k, 0) + n
+
+
 class VerdictBox:
-    """Verdicts posted by the worker half and not taken yet: request -> (fetch serial, leading
-    objects verified), and the local slots found bad (each taken once, whatever replaced its
-    verdict)."""
+    """What the worker half posted and the scheduler half has not taken yet (see :class:`Posted`):
+    the latest verdict per request; bad slots and store results accumulate until taken."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[str, tuple[int, int]] = {}
-        self._bad: dict[Slot, str] = {}
+        self._posted = Posted()
 
     def post(self, req_id: str, serial: int, good: int, bad: dict[Slot, str] | None = None) -> None:
-        """``bad``: local slots whose objects failed verification -> the reason."""
+        """A fetch's verdict; ``bad``: local slots whose objects failed verification -> the reason."""
         with self._lock:
-            self._items[req_id] = (serial, good)
+            self._posted.verdicts.append((req_id, serial, good))
             for slot, why in (bad or {}).items():
-                self._bad.setdefault(slot, why)
+                self._posted.bad.setdefault(slot, why)
 
-    def take(self) -> tuple[list[tuple[str, int, int]], dict[Slot, str]]:
-        """Every verdict posted since the last call, as (request, fetch serial, good), and the
-        bad slots posted with them."""
-        if not self._items:  # a dict's truth is read atomically; a post racing this is taken next time
-            return [], {}
+    def post_stores(self, stored: dict[Slot, int], failed: dict[Slot, int], done: dict[bytes, int]) -> None:
+        """Stores that finished (the finisher's results, each posted once)."""
         with self._lock:
-            items, self._items = self._items, {}
-            bad, self._bad = self._bad, {}
-        return [(rid, serial, good) for rid, (serial, good) in items.items()], bad
+            _add(self._posted.stored, stored)
+            _add(self._posted.store_failed, failed)
+            _add(self._posted.store_done, done)
+
+    def pending(self) -> bool:
+        """Something posted and not taken yet (read without the lock: a post racing this is seen
+        by the next call)."""
+        p = self._posted
+        return bool(p.verdicts or p.bad or p.stored or p.store_failed or p.store_done)
+
+    def take(self) -> Posted:
+        """Everything posted since the last call; a request's later verdict replaces its earlier."""
+        if not self.pending():
+            return _NOTHING
+        with self._lock:
+            posted, self._posted = self._posted, Posted()
+        latest = {rid: (rid, serial, good) for rid, serial, good in posted.verdicts}
+        return Posted(list(latest.values()), posted.bad, posted.stored, posted.store_failed, posted.store_done)
 
 
 _lock = threading.Lock()

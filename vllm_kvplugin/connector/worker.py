@@ -192,7 +192,7 @@ class WorkerSide(StorePath):
         self.engine = engine_for(self.device, self.cfg.gpu_staging_bytes)
         self.finisher = StoreFinisher(self.engine, self._finish,
                                       asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST,
-                                      on_done=self._progress.set)
+                                      on_done=self._stores_finished)
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
             if self.groups[g].kind is not GroupKind.RECURRENT:
                 self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
@@ -373,6 +373,18 @@ class WorkerSide(StorePath):
                 self._meta.fetched[rid] = (1, good)
                 self._meta.bad_slots.update(bad)
 
+    def _stores_finished(self) -> None:
+        """After each store the finisher completed (on its thread): in an engine of one rank whose
+        scheduler half is in this process its results go straight into the scheduler's box (an
+        idle engine would otherwise tell it only with the next step's output); then a waiting
+        idle step wakes."""
+        box = find_box(self._engine_id) if self.world == 1 else None
+        if box is not None:
+            done = KVPluginWorkerMeta()
+            self.finisher.take(done)
+            box.post_stores(done.stored, done.store_failed, done.store_done)
+        self._progress.set()
+
     def _wait_while_idle(self) -> None:
         """In a step that scheduled no tokens (nothing else to hold up): wait, up to
         :data:`~vllm_kvplugin.connector.metadata.IDLE_WAIT_S` with the GIL released, until a
@@ -380,7 +392,9 @@ class WorkerSide(StorePath):
         spin empty steps whose thread keeps the GIL from the threads doing that work.  A new
         request waits at most that."""
         self._progress.clear()  # before looking: a completion from now on sets it
-        if any(v.sums is None or v.sums.done() for v in self._verifying.values()) or self.finisher.has_results():
+        box = find_box(self._engine_id) if self.world == 1 else None
+        if (any(v.sums is None or v.sums.done() for v in self._verifying.values()) or self.finisher.has_results()
+                or (box is not None and box.pending())):
             return
         if self._verifying or self.finisher.busy():
             self._progress.wait(IDLE_WAIT_S)
