@@ -13,7 +13,8 @@ A hit is claimed only once every rank verified its bytes (DESIGN.md rule 7):
    asked for again next step), pins what the plan needs and answers ``None``:
    vLLM holds the request back and asks again next step, while the workers fetch
    and verify;
-2. their verdict arrives through ``update_connector_output``;
+2. their verdict arrives through ``update_connector_output`` (in an engine of one
+   rank, straight from the worker half: ``connector/verdicts.py``);
 3. the next ``get_num_new_matched_tokens`` plans again from the verified objects
    only and claims that many tokens; ``update_state_after_alloc`` turns the plan
    into loads of those verified bytes.
