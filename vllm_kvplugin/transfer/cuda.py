@@ -108,6 +108,26 @@ def _groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+def _staged_runs(rows: Sequence[int], pieces: Sequence[tuple[int, int]] | None) -> list[tuple[int, int, int | None]]:
+    """A staged load's ``rows`` (its objects' rows of a prefetch, in load order) as maximal runs
+    ``[i, j)`` of consecutive rows within one piece of the copy, with the index of that piece in
+    ``pieces`` ((first row, end row) each).  ``pieces`` None: the whole copy has landed, so a run
+    stops only where the rows do, and names no piece to wait for."""
+    def piece_of(row: int) -> int | None:
+        return None if pieces is None else next(k for k, (a, b) in enumerate(pieces) if a <= row < b)
+
+    out: list[tuple[int, int, int | None]] = []
+    i = 0
+    while i < len(rows):
+        k = piece_of(rows[i])
+        j = i + 1
+        while j < len(rows) and rows[j] == rows[j - 1] + 1 and piece_of(rows[j]) == k:
+            j += 1
+        out.append((i, j, k))
+        i = j
+    return out
+
+
 def _runs(bufs: Sequence[torch.Tensor], a: int, b: int) -> list[tuple[int, int, torch.Tensor]]:
     """Maximal runs of adjacent host buffers in ``bufs[a:b]`` as (start, end, one view)."""
     out: list[tuple[int, int, torch.Tensor]] = []
@@ -320,22 +340,21 @@ class CudaTransfer:
     def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor, pre: Prefetch,
                      rows: Sequence[int]) -> None:
         """Scatter prefetched rows into the paged cache, each run of consecutive rows after its
-        piece of the copy: the compute stream waits for all of it."""
+        piece of the copy (one launch per run; all of them at once when the copy has landed):
+        the compute stream waits for all of it."""
         with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
             self._kern.wait_event(self._event(compute))
             for ev in self._pending_gathers:  # a pending store may still read a reused block
                 self._kern.wait_event(ev)
+            # the last piece in means every piece is (one stream): so it is after a verdict of
+            # device digests, which waited for all of them -- one launch, nothing to wait for
+            bounds = None if pre.event.query() else [(a, b) for a, b, _ in pre.pieces]
             with torch.cuda.stream(self._kern):
-                i = 0
-                while i < len(rows):  # runs of consecutive rows within one piece: one launch each
-                    piece = pre.event_for(rows[i])
-                    j = i + 1
-                    while j < len(rows) and rows[j] == rows[j - 1] + 1 and pre.event_for(rows[j]) is piece:
-                        j += 1
-                    self._kern.wait_event(piece)
+                for i, j, k in _staged_runs(rows, bounds):
+                    if k is not None:
+                        self._kern.wait_event(pre.pieces[k][2])
                     self._scatter(layout, layers, slots[i:j], [pre.stage[rows[i]:rows[i] + (j - i)]], 0)
-                    i = j
                 done = self._event(self._kern)
             pre.staging.busy = done
             compute.wait_event(done)

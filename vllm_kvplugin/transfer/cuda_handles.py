@@ -43,10 +43,6 @@ class Prefetch:
         self.nbytes = nbytes
         self.rows = stage.shape[0]  # the leading objects it holds
 
-    def event_for(self, row: int) -> torch.cuda.Event:
-        """The event after which ``row`` is on the device."""
-        return next(ev for a, b, ev in self.pieces if a <= row < b)
-
 
 _waiter_lock = threading.Lock()
 _waiter: ThreadPoolExecutor | None = None
