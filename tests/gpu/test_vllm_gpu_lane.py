@@ -64,6 +64,7 @@ def no_engine_left_over():
     gc.collect()
     torch.cuda.empty_cache()
 
+
 @pytest.fixture(scope="module")
 def model() -> str:
     from vllm_kvplugin import tiny_model

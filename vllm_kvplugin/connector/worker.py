@@ -366,19 +366,24 @@ class WorkerSide(StorePath):
             good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
             self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
             bad = self._failed_fetch(v.req, errors) if good < len(jobs) else {}
-            box = find_box(self._engine_id) if self.world == 1 else None
+            box = self._box()
             if box is not None:  # the scheduler half is in this process: it takes it before its next match
                 box.post(rid, v.req.serial, good, bad)
             else:
                 self._meta.fetched[rid] = (1, good)
                 self._meta.bad_slots.update(bad)
 
+    def _box(self):
+        """The scheduler half's box when it is in this process and the engine has one rank (else
+        verdicts and finished stores go with the step's metadata)."""
+        return find_box(self._engine_id) if self.world == 1 else None
+
     def _stores_finished(self) -> None:
         """After each store the finisher completed (on its thread): in an engine of one rank whose
         scheduler half is in this process its results go straight into the scheduler's box (an
         idle engine would otherwise tell it only with the next step's output); then a waiting
         idle step wakes."""
-        box = find_box(self._engine_id) if self.world == 1 else None
+        box = self._box()
         if box is not None:
             done = KVPluginWorkerMeta()
             self.finisher.take(done)
@@ -392,7 +397,7 @@ class WorkerSide(StorePath):
         spin empty steps whose thread keeps the GIL from the threads doing that work.  A new
         request waits at most that."""
         self._progress.clear()  # before looking: a completion from now on sets it
-        box = find_box(self._engine_id) if self.world == 1 else None
+        box = self._box()
         if (any(v.sums is None or v.sums.done() for v in self._verifying.values()) or self.finisher.has_results()
                 or (box is not None and box.pending())):
             return
