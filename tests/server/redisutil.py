@@ -13,16 +13,41 @@ import time
 from srvutil import _die_with_parent
 
 
+def _below_ephemeral() -> int:
+    """The lowest port the kernel hands out to outgoing connections (32768 on most Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A free port below 50000 whose +10000 is free too (a cluster node's bus port)."""
+    """A free port whose +10000 is free too (a cluster node's bus port), both below the
+    ephemeral range: a test may pick a port and start its server seconds later, and a port in
+    that range can be taken meanwhile by any outgoing connection on the machine. Each xdist
+    worker draws from a range of its own."""
+    top = min(_below_ephemeral(), 60000) - 10000
+    lo = 12000
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n_workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    idx = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = max(1, (top - lo) // n_workers)
+    start = lo + (idx % n_workers) * width
     for _ in range(200):
-        port = random.randrange(20000, 50000)
+        port = random.randrange(start, start + width)
+        if port in _handed_out:  # not bound yet by the process it was handed to
+            continue
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:
             continue
+        _handed_out.add(port)
         return port
     raise RuntimeError("no free port pair")
 
