@@ -9,8 +9,9 @@
 // Written from the XXH3 algorithm: inputs of 0-16, 17-128 and 129-240 bytes
 // have their own mixing; longer ones accumulate 64-byte stripes in 8 lanes,
 // scrambled every 16 stripes.  A lane reads only its own 8 bytes and those of
-// its pair (lane ^ 1), so the long path is written per pair of lanes
-// (long_pair): the CUDA kernel gives each pair its own thread.
+// its pair (lane ^ 1), so the long path is written per pair of lanes, and a
+// block only adds to a lane: the CUDA kernel sums many blocks at once and folds
+// the sums in order.
 #pragma once
 
 #include <cstdint>
@@ -186,50 +187,78 @@ KVP_HD uint64_t scramble(uint64_t a, uint64_t k) { return (a ^ (a >> 47) ^ k) * 
 #define KVP_UNROLL _Pragma("GCC unroll 16")
 #endif
 
-// The long path (n > 240) of lanes 2t and 2t+1 (t = 0..3), before the merge.  ``aligned16``:
-// p is 16-byte aligned (on a device: one 128-bit load per pair and stripe).
-KVP_HD void long_pair(const uint8_t* p, uint64_t n, int t, bool aligned16, uint64_t& a0,
-                      uint64_t& a1) {
+// The long path (n > 240) adds within a block: a block's 16 stripes add to a lane's
+// accumulator what they add whatever the accumulator holds, and only the scramble between
+// blocks is serial.  So the sums of many blocks can be taken at once (the CUDA kernel gives a
+// segment's blocks to 8 groups of threads) and folded in order: acc = scramble(acc + sum).
+
+// The secret words of lanes 2t and 2t+1: k[2i], k[2i+1] for stripe i of a block, and the
+// scramble's ks0, ks1.
+KVP_HD void pair_secret(int t, uint64_t* k, uint64_t& ks0, uint64_t& ks1) {
   const uint8_t* s = secret();
-  uint64_t k[2 * kStripesPerBlock];  // the pair's secret words of each stripe of a block
   KVP_UNROLL
   for (int i = 0; i < kStripesPerBlock; ++i) {
     k[2 * i] = rd64(s + 8 * i + 16 * t);
     k[2 * i + 1] = rd64(s + 8 * i + 16 * t + 8);
   }
-  const uint64_t k_s0 = rd64(s + 128 + 16 * t), k_s1 = rd64(s + 136 + 16 * t);
-  a0 = init_lane(2 * t);
-  a1 = init_lane(2 * t + 1);
-  const uint64_t blocks = (n - 1) / kBlock;
-  for (uint64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = p + b * kBlock + 16 * t;
+  ks0 = rd64(s + 128 + 16 * t);
+  ks1 = rd64(s + 136 + 16 * t);
+}
+
+// What one whole block adds to lanes 2t and 2t+1; q is the block's start + 16 t.
+// ``aligned16``: q is 16-byte aligned (on a device: one 128-bit load per stripe, all 16 in
+// flight at once).
+KVP_HD void block_sums(const uint8_t* q, bool aligned16, const uint64_t* k, uint64_t& s0, uint64_t& s1) {
+  s0 = 0;
+  s1 = 0;
 #if defined(__CUDA_ARCH__)
-    if (aligned16) {  // every load of the block in flight at once
-      ulonglong2 v[kStripesPerBlock];
-      KVP_UNROLL
-      for (int i = 0; i < kStripesPerBlock; ++i)
-        v[i] = *reinterpret_cast<const ulonglong2*>(q + i * kStripe);
-      KVP_UNROLL
-      for (int i = 0; i < kStripesPerBlock; ++i)
-        accumulate_pair(a0, a1, v[i].x, v[i].y, k[2 * i], k[2 * i + 1]);
-    } else
-#endif
-    {
-      (void)aligned16;
-      KVP_UNROLL
-      for (int i = 0; i < kStripesPerBlock; ++i)
-        accumulate_pair(a0, a1, rd64(q + i * kStripe), rd64(q + i * kStripe + 8), k[2 * i], k[2 * i + 1]);
-    }
-    a0 = scramble(a0, k_s0);
-    a1 = scramble(a1, k_s1);
+  if (aligned16) {
+    ulonglong2 v[kStripesPerBlock];
+    KVP_UNROLL
+    for (int i = 0; i < kStripesPerBlock; ++i) v[i] = *reinterpret_cast<const ulonglong2*>(q + i * kStripe);
+    KVP_UNROLL
+    for (int i = 0; i < kStripesPerBlock; ++i) accumulate_pair(s0, s1, v[i].x, v[i].y, k[2 * i], k[2 * i + 1]);
+    return;
   }
-  const uint8_t* q = p + blocks * kBlock + 16 * t;  // the last block's whole stripes
+#endif
+  (void)aligned16;
+  KVP_UNROLL
+  for (int i = 0; i < kStripesPerBlock; ++i)
+    accumulate_pair(s0, s1, rd64(q + i * kStripe), rd64(q + i * kStripe + 8), k[2 * i], k[2 * i + 1]);
+}
+
+// The whole blocks of n bytes (n > 240): (n - 1) / kBlock.
+KVP_HD uint64_t whole_blocks(uint64_t n) { return (n - 1) / kBlock; }
+
+// After the whole blocks: the last block's whole stripes and the last stripe (at the secret's
+// end - 7), added to lanes 2t and 2t+1.
+KVP_HD void tail_pair(const uint8_t* p, uint64_t n, int t, uint64_t& a0, uint64_t& a1) {
+  const uint8_t* s = secret();
+  const uint64_t blocks = whole_blocks(n);
+  const uint8_t* q = p + blocks * kBlock + 16 * t;
   const int stripes = static_cast<int>(((n - 1) - kBlock * blocks) / kStripe);
   for (int i = 0; i < stripes; ++i)
     accumulate_pair(a0, a1, rd64(q + i * kStripe), rd64(q + i * kStripe + 8),
                     rd64(s + 8 * i + 16 * t), rd64(s + 8 * i + 16 * t + 8));
-  const uint8_t* last = p + n - kStripe + 16 * t;  // the last stripe, at the secret's end - 7
+  const uint8_t* last = p + n - kStripe + 16 * t;
   accumulate_pair(a0, a1, rd64(last), rd64(last + 8), rd64(s + 121 + 16 * t), rd64(s + 129 + 16 * t));
+}
+
+// The long path of lanes 2t and 2t+1 (t = 0..3) by one thread, block after block, before the
+// merge.
+KVP_HD void long_pair(const uint8_t* p, uint64_t n, int t, uint64_t& a0, uint64_t& a1) {
+  uint64_t k[2 * kStripesPerBlock], ks0, ks1;
+  pair_secret(t, k, ks0, ks1);
+  a0 = init_lane(2 * t);
+  a1 = init_lane(2 * t + 1);
+  const uint64_t blocks = whole_blocks(n);
+  for (uint64_t b = 0; b < blocks; ++b) {
+    uint64_t s0, s1;
+    block_sums(p + b * kBlock + 16 * t, false, k, s0, s1);
+    a0 = scramble(a0 + s0, ks0);
+    a1 = scramble(a1 + s1, ks1);
+  }
+  tail_pair(p, n, t, a0, a1);
 }
 
 // The long path's merge of the 8 lanes.
@@ -247,7 +276,7 @@ KVP_HD uint64_t hash64(const uint8_t* p, uint64_t n) {
   if (n <= 128) return hash_17to128(p, n);
   if (n <= 240) return hash_129to240(p, n);
   uint64_t acc[8];
-  for (int t = 0; t < 4; ++t) long_pair(p, n, t, false, acc[2 * t], acc[2 * t + 1]);
+  for (int t = 0; t < 4; ++t) long_pair(p, n, t, acc[2 * t], acc[2 * t + 1]);
   return merge(acc, n);
 }
 
