@@ -111,3 +111,28 @@ def test_best_hit_is_the_largest_every_group_restores():
 def test_bad_chunk_size():
     with pytest.raises(ValueError):
         plan_load(10, 0, 0, ATT, everywhere)
+
+
+@pytest.mark.parametrize("groups", [ATT, HYBRID, [group(0, GroupKind.WINDOW, window=299)],
+                                    [group(0, GroupKind.ATTENTION), group(1, GroupKind.WINDOW, window=299)]],
+                         ids=["attention", "hybrid", "window", "attention+window"])
+def test_a_plan_planned_again_from_its_own_objects_is_the_same(groups):
+    """The scheduler claims a fetch whose every object was verified with the plan it fetched,
+    without planning again (when vLLM's own hit is unchanged): planning from exactly the plan's
+    objects must give that plan back, whatever was present around them."""
+    import random
+
+    rnd = random.Random(3)
+    plans = 0
+    for _ in range(300):
+        prompt = rnd.randrange(1, 40 * C)
+        computed = rnd.choice([0, 0, rnd.randrange(0, prompt)])
+        have = {(p, g) for p in range(40) for g in range(len(groups)) if rnd.random() < 0.85}
+        limit = rnd.choice([None, rnd.randrange(0, 40)])
+        plan = plan_load(prompt, computed, C, groups, lambda pos, g, have=have: (pos, g) in have, limit)
+        if plan is None:
+            continue
+        plans += 1
+        own = {(o.position, o.group) for o in plan.objects}
+        assert plan_load(prompt, computed, C, groups, lambda pos, g, own=own: (pos, g) in own, limit) == plan
+    assert plans > 50

@@ -208,9 +208,12 @@ class SchedulerSide:
             self._drop_fetch(tr)  # its lease may lapse before the load: look up again
             f = None
         if f is not None:
-            verified = f.verified()
-            tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
-                                lambda pos, g: (pos, g) in verified, self._limit(tr))
+            if f.good == len(f.jobs) and num_computed_tokens == f.plan.start:
+                tr.plan = f.plan  # every object verified and nothing new computed: planned again, it is the same
+            else:
+                verified = f.verified()
+                tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
+                                    lambda pos, g: (pos, g) in verified, self._limit(tr))
             if tr.plan is None:
                 self._drop_fetch(tr)
                 return 0, False
