@@ -29,7 +29,10 @@ Side by side (the default, ``side_by_side.py``): every mode's engine is started 
 one GPU (``vllm-apc``'s cold request is the no-connector one), then in ``--rounds`` rounds with
 fresh prompts each length is measured in every mode in turn (the order rotated), so a length's
 modes ran seconds apart; the bars' ratios are taken per round and their median reported
-(``*_each_round``: every round's).  One engine's times moved by 10-30% between runs of the
+(``*_each_round``: every round's).  The floor of a warm hit is the same engine's GPU
+prefix-cache hit of the same prompt, measured right after each warm run (the bars take the
+median of the pairs' differences); the link time of a hit is its bytes copied from pinned host
+memory to the GPU in the same run, after the rounds (``link_seconds``).  One engine's times moved by 10-30% between runs of the
 sequential method (``--sequential``: each mode's engine in turn, e.g. for more modes than fit
 beside each other).  Results: JSON with the machine and versions, and ratios.
 """
@@ -61,6 +64,8 @@ from ttft_common import (  # noqa: E402
 )
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
+KV_PER_TOKEN = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2  # bytes (bf16)
+LINK_BYTES_PER_S = 55.3e9  # the ceiling of benchmarks/results/gpu-xfer-h200.json: where a run measured none
 HOST_BYTES = 24 << 30  # every prompt of the run fits: no eviction in any mode
 KV_BYTES = 16 << 30
 SIDE_BY_SIDE_HOST_BYTES = 16 << 30  # the longest prompt and its primer fit
@@ -120,8 +125,7 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
 
 def _kv_bytes_for(tokens: int) -> int:
     """KV cache room for one prompt of ``tokens`` tokens of SPEC's model and a fifth more, whole GiB."""
-    per_token = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
-    return -(-int(tokens * per_token * 1.2) // (1 << 30)) << 30
+    return -(-int(tokens * KV_PER_TOKEN * 1.2) // (1 << 30)) << 30
 
 
 def _probe(llm, mode: str, timers) -> TTFTProbe:
@@ -155,10 +159,35 @@ def run_resident(mode: str, args, lengths: list[int]) -> None:
             return {"kvplugin_stats": vllm_kvplugin.stats() if mode.startswith("kvplugin") else None}
         if command.startswith("profile "):
             return profile(probe, *(int(x) for x in command.split()[1:]))
+        if command.startswith("link "):
+            return {"link_s": link_seconds(int(command.split()[1]) * KV_PER_TOKEN)}
         n, seed = (int(x) for x in command.split())
         return probe.length(n, seed)
 
     serve(handle)
+
+
+def link_seconds(nbytes: int, repeats: int = 5, piece: int = 1 << 30) -> float:
+    """The pinned-copy ceiling in this run: seconds to copy ``nbytes`` from page-locked host
+    memory to the GPU (one stream, 1 GiB pieces back to back from one pinned buffer, so that a
+    64k hit's 9.7 GB needs no second copy of it in memory), the median of ``repeats``."""
+    import torch
+
+    host = torch.empty(min(piece, nbytes), dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    times = []
+    for _ in range(repeats + 1):  # the first: warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for off in range(0, nbytes, host.numel()):
+            k = min(host.numel(), nbytes - off)
+            dev[:k].copy_(host[:k], non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del host, dev
+    torch.cuda.empty_cache()
+    return round(statistics.median(times[1:]), 5)
 
 
 def profile(probe: TTFTProbe, n: int, seed: int) -> dict:
@@ -189,14 +218,17 @@ def build_model() -> str:
 def _median_row(rows: list[dict]) -> dict:
     """A length's rows of every round as one: median cold and warm, the first round's stages."""
     out = dict(rows[0])
-    for k in ("cold_s", "warm_s", "first_warm_s", "own_apc_s"):
+    for k in ("cold_s", "warm_s", "first_warm_s", "own_apc_s", "warm_minus_own_s"):
         if k in out:
             out[k] = round(statistics.median(r[k] for r in rows), 4)
     return out
 
 
-def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out: Path) -> tuple[list[dict], dict]:
-    """Every mode's engine alive at once; per round and length, each asked in turn (rotated)."""
+def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
+                     out: Path) -> tuple[list[dict], dict, dict[int, float]]:
+    """Every mode's engine alive at once; per round and length, each asked in turn (rotated).
+    Returns the modes' results, errors, and per length the link time of its hit measured after
+    the rounds (:func:`link_seconds`)."""
     proc = address = None
     if "kvplugin-server" in modes:
         proc, address = start_server(args.host_bytes)
@@ -226,6 +258,10 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
                                                for m in modes), file=sys.stderr, flush=True)
             Path(str(out) + ".partial").write_text(json.dumps({"partial": True, "rounds": per}))
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
+        meter = engines.get("kvplugin") or next(iter(engines.values()))  # engines idle: the link alone
+        hits = {n: max(r["warm_cached_tokens"] for r in per[meter.mode] if r["prompt_tokens"] == n) or n
+                for n in lengths}  # the bytes a hit moves
+        links = {n: meter.ask(f"link {hits[n]}")["link_s"] for n in lengths}
         for m, e in engines.items():  # after the rounds: one profiled cold and warm request per mode
             for n in args.profile:
                 profiles.setdefault(m, []).append(e.ask(f"profile {n} {n + 99 * 10**6}"))
@@ -235,14 +271,14 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str, out
         rows[0].update(firsts[m])
         results.append({"mode": m, "rows": rows, "rounds": per[m], "kvplugin_stats": stats[m],
                         **({"profiles": profiles[m]} if m in profiles else {})})
-    return results, {}
+    return results, {}, links
 
 
-def per_round_ratios(results: list[dict], lengths: list[int], link_bytes_per_s: float) -> dict[int, dict]:
-    """Per length, the bars' ratios of each round (batches seconds apart) and their medians."""
+def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, float]) -> dict[int, dict]:
+    """Per length, the bars' ratios of each round (batches seconds apart) and their medians.
+    ``link_s``: per length, the seconds its hit's bytes take over the link."""
     by = {r["mode"]: r.get("rounds") for r in results}
     ref = "baseline" if by.get("baseline") else "vllm-apc"
-    bpt = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
     out: dict[int, dict] = {}
     for n in lengths:
         def col(mode, key, n=n):
@@ -254,27 +290,26 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_bytes_per_s: 
                  "vllm_offloading_warm_over_kvplugin_warm": (col("vllm-offloading", "warm_s"), kv_w, None),
                  "server_vs_inprocess_warm_ratio": (col("kvplugin-server", "warm_s"), kv_w, None)}
         if kv_w and col("vllm-apc", "warm_s"):
-            hit = col("kvplugin", "warm_cached_tokens")[0]
-            pairs["kvplugin_warm_minus_apc_over_link"] = (kv_w, col("vllm-apc", "warm_s"), hit * bpt / link_bytes_per_s)
+            pairs["kvplugin_warm_minus_apc_over_link"] = (kv_w, col("vllm-apc", "warm_s"), link_s[n])
+        above: dict[str, list[float]] = {}  # per mode, each round's warm time above its own hit
         for mode, rows in by.items():  # against the same engine's own GPU prefix-cache hit
-            if rows and "own_apc_s" in rows[0]:
-                hit = col(mode, "warm_cached_tokens")[0]
-                pairs[f"{mode.replace('-', '_')}_warm_minus_own_apc_over_link"] = (
-                    col(mode, "warm_s"), col(mode, "own_apc_s"), hit * bpt / link_bytes_per_s)
+            if rows and "warm_minus_own_s" in rows[0]:  # the median of (warm - own hit right after it)
+                above[mode] = col(mode, "warm_minus_own_s")
+                pairs[f"{mode.replace('-', '_')}_warm_minus_own_apc_over_link"] = (above[mode], None, link_s[n])
         for name, (a, b, link) in pairs.items():
-            if not a or not b:
+            if not a or (b is None and not link) or (b is not None and not b):
                 continue
-            each = [(x - y) / link if link else x / y for x, y in zip(a, b)]
+            each = [x / link for x in a] if b is None else [(x - y) / link if link else x / y for x, y in zip(a, b)]
             ratios[name] = round(statistics.median(each), 3)
             ratios[name + "_each_round"] = [round(x, 3) for x in each]
-        # the server's time above its engine's own hit over the in-process tier's above its own:
+        # one mode's time above its engine's own hit over another's above its own:
         # the raw warm ratio also holds how fast each engine process launches (eager mode)
-        srv_w, srv_own, kv_own = col("kvplugin-server", "warm_s"), col("kvplugin-server", "own_apc_s"), \
-            col("kvplugin", "own_apc_s")
-        if kv_w and srv_w and srv_own and kv_own:
-            each = [(sw - so) / (kw - ko) for sw, so, kw, ko in zip(srv_w, srv_own, kv_w, kv_own)]
-            ratios["server_vs_inprocess_above_own_hit"] = round(statistics.median(each), 3)
-            ratios["server_vs_inprocess_above_own_hit_each_round"] = [round(x, 3) for x in each]
+        for name, (a, b) in {"server_vs_inprocess_above_own_hit": ("kvplugin-server", "kvplugin"),
+                             "vllm_offloading_over_kvplugin_above_own_hit": ("vllm-offloading", "kvplugin")}.items():
+            if a in above and b in above:
+                each = [x / y for x, y in zip(above[a], above[b])]
+                ratios[name] = round(statistics.median(each), 3)
+                ratios[name + "_each_round"] = [round(x, 3) for x in each]
         out[n] = ratios
     return out
 
@@ -342,7 +377,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if side:
         args.model = model
-        results, errors = run_side_by_side(args, modes, lengths, model, out)
+        results, errors, links = run_side_by_side(args, modes, lengths, model, out)
     else:
         def child_args(mode: str) -> list[str]:
             a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
@@ -355,19 +390,25 @@ def main() -> int:
 
         results, errors = run_modes_with_server(__file__, modes, child_args, keep_going=True,
                                                 l1_bytes=args.host_bytes, partial=str(out) + ".partial")
+        links = {}
     summary = summarize(results, lengths,
                         {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
                          "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})
-    link = 55.3e9  # the pinned-copy ceiling measured on the H200 (benchmarks/results/gpu-xfer-h200.json)
-    bpt = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2
+    bpt = KV_PER_TOKEN
     ref = "baseline" if any(r["mode"] == "baseline" for r in results) else "vllm-apc"
-    rounds = per_round_ratios(results, lengths, link) if side else {}
+    for row in summary:  # a hit's link time: measured in this run, else from the ceiling on record
+        if "kvplugin_warm_cached_tokens" in row:
+            n = row["prompt_tokens"]
+            links[n] = links.get(n) or row["kvplugin_warm_cached_tokens"] * bpt / LINK_BYTES_PER_S
+    rounds = per_round_ratios(results, lengths, links) if side else {}
     for row in summary:  # the bars: warm - (vLLM prefix-cache hit) <= 1.1 x link time; cold <= 1.03 x
         if "kvplugin_cold_s" in row and f"{ref}_cold_s" in row:
             row["kvplugin_cold_over_baseline_cold"] = round(row["kvplugin_cold_s"] / row[f"{ref}_cold_s"], 3)
         if "kvplugin_warm_s" in row and "vllm-apc_warm_s" in row:
-            link_s = row["kvplugin_warm_cached_tokens"] * bpt / link
+            link_s = links[row["prompt_tokens"]]
             row["link_s"] = round(link_s, 4)
+            row["link_measured"] = side
+            row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / link_s / 1e9, 1)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
         row.update(rounds.get(row["prompt_tokens"], {}))  # side by side: medians of per-round ratios
         for res in results:  # the first hit after start-up against a later one (the bar: 1.0)

@@ -82,7 +82,8 @@ class TTFTProbe:
         """Cold TTFT of one prompt of ``n`` tokens (a 1-token generate), the median of five warm
         ones (``warm_stages``: the median run's; ``first_warm_s``: the one right after the cold
         request), then 8 greedy tokens to compare with the baseline's; where vLLM's prefix cache is
-        reset before each, also the median of 3 GPU prefix-cache hits of it (``own_apc_s``).
+        reset before each, each warm run is followed by a GPU prefix-cache hit of the same prompt
+        (``own_apc_s``: their median; ``warm_minus_own_s``: the median of the pairs' differences).
         ``seed``: the prompt's (default ``n``; a fresh one per round when the same length is
         measured again)."""
         seed = n if seed is None else seed
@@ -91,14 +92,20 @@ class TTFTProbe:
         p = tokens(n, seed)
         cold, oc, cold_stages = self.timed(p)
         time.sleep(self.settle_s)
-        warms = [self.timed(p) for _ in range(5)]  # 5 warm runs: their median, and its stages
+        warms, owns = [], []
+        for _ in range(5):  # 5 warm runs: their median, and its stages
+            warms.append(self.timed(p))
+            if self.reset:  # each paired with the same prompt as a GPU prefix-cache hit of this very
+                # engine (the warm request left it cached): the floor, measured in the process of
+                # the warm hits and right after each, so that both see the engine at the same speed
+                owns.append(self.once(p, reset=False)[0])
         first_warm, ow = warms[0][0], warms[0][1]  # right after the cold one: its stores may still be landing
         warm, _, warm_stages = sorted(warms, key=lambda w: w[0])[len(warms) // 2]
         _, ox = self.once(p, self.spx)
         extra = {"cold_stages": cold_stages, "warm_stages": warm_stages} if self.timers else {}
-        if self.reset:  # the same prompt as a GPU prefix-cache hit of this very engine (the last
-            # request left it cached): the floor, measured in the process of the warm hits
-            extra["own_apc_s"] = round(statistics.median(self.once(p, reset=False)[0] for _ in range(3)), 4)
+        if owns:
+            extra["own_apc_s"] = round(statistics.median(owns), 4)
+            extra["warm_minus_own_s"] = round(statistics.median(w[0] - o for w, o in zip(warms, owns)), 4)
         return {"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
                 "first_warm_s": round(first_warm, 4),
                 "warm_cached_tokens": int(ow.num_cached_tokens or 0),
