@@ -15,6 +15,8 @@ prompts in the same order:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
   default set; ``transfer/paced.py``);
+* ``kvplugin-held`` - ``kvplugin`` whose lone hits are held back a step for their verdict, as
+  every hit was before ``SchedulerSide._fetch_here`` (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -100,6 +102,9 @@ def mode_knobs(mode: str) -> None:
         checksums.MAX_THREADS = 8
     if mode.startswith("kvplugin-w"):  # kvplugin-wN: N paced store DMAs on the copy engine at once
         cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])
+    if mode == "kvplugin-held":  # every hit held back a step for its verdict, a lone one too
+        from vllm_kvplugin.connector.scheduler import SchedulerSide
+        SchedulerSide._fetch_here = lambda self, req: None
 
 
 def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):

@@ -105,26 +105,26 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch
         try:
             assert generate(llm, [P])[0].token_ids == want_p
             flip, handle = _local_flip(probe, P) if tier == "local" else _server_flip(probe, P, srv.address)
-            orig, calls = wmod.WorkerSide.start_load, []
+            orig, calls = wmod.WorkerSide._fetch, []
 
-            def start_load_once_wrong(ws, meta):  # wrong bytes during exactly one load
-                calls.append(len(meta.fetches) + len(meta.loads))
+            def fetch_once_wrong(ws, req):  # wrong bytes while exactly one fetch reads and verifies them
+                calls.append(req.req_id)  # (with the step's metadata, or from the lookup: _fetch_here)
                 if len(calls) == 1:
                     flip()
                 try:
-                    return orig(ws, meta)
+                    return orig(ws, req)
                 finally:
                     if len(calls) == 1:
                         flip()
 
-            wmod.WorkerSide.start_load = start_load_once_wrong
+            wmod.WorkerSide._fetch = fetch_once_wrong
             try:
                 probe.poison_all_blocks(seed=1)
                 before = vllm_kvplugin.stats()
                 bad = generate(llm, [P2])[0]
                 after = vllm_kvplugin.stats()
             finally:
-                wmod.WorkerSide.start_load = orig
+                wmod.WorkerSide._fetch = orig
             assert bad.token_ids == want_p2
             # only the verified prefix was claimed: a failed load is not a hit
             assert bad.num_cached_tokens == BAD * CHUNK
@@ -350,8 +350,9 @@ def test_stores_finished_off_the_step_are_waited_for(qwen3_model, monkeypatch, t
 
 def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, int]]:
     """Every fetch's hashes forced onto threads of their own running ``hash_one``; returns the
-    scheduler's steps in order: ("meta", tokens scheduled), ("fetch", 0), ("verdict", good), and
-    ("hashes", payloads) for each time a fetch started hashing."""
+    scheduler's steps in order: ("meta", tokens scheduled), ("fetch", 0) (a step's metadata that
+    carries fetches, or a lone request's fetch from its lookup, before its step's metadata),
+    ("verdict", good), and ("hashes", payloads) for each time a fetch started hashing."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm_kvplugin.chunk.checksums import StartedChecksums
@@ -377,8 +378,18 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
     def on_verdict(self, rid, ranks, good, serial=None):  # from the step's metadata or the engine's box
         events.append(("verdict", good))
         return verdict(self, rid, ranks, good, serial)
+    fetch_here = smod.SchedulerSide._fetch_here
+
+    def here(self, req):  # a lone request's fetch, from its lookup (before its hashes start)
+        at = len(events)
+        events.append(("fetch", 0))
+        done = fetch_here(self, req)
+        if done is None:  # not fetched there: with the step's metadata
+            del events[at]
+        return done
     monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta", build_meta)
     monkeypatch.setattr(smod.SchedulerSide, "_verdict", on_verdict)
+    monkeypatch.setattr(smod.SchedulerSide, "_fetch_here", here)
     return events
 
 
@@ -507,6 +518,63 @@ def test_a_repeat_on_an_idle_engine_is_fetched_at_once(qwen3_model, monkeypatch)
             assert events[:events.index(("fetch", 0))] == [], events
             assert warm.token_ids == want and warm.num_cached_tokens == 8 * CHUNK
             assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)
+
+
+def test_a_lone_hit_is_claimed_in_the_step_that_looks_it_up(qwen3_model, monkeypatch):
+    """With no other request in the engine, a repeat's lookup has the worker half fetch and verify
+    its hit right away (this one-process engine of one rank) and claims it in that very step: the
+    verdict comes before any step's metadata and the first step computes the rest of the prompt
+    (no step held back for it); full hit, right output on poisoned KV, the loaded blocks poisoned
+    before the load and equal to the computed KV after it.  With another request running, a hit
+    is fetched with a step's metadata and claimed in a later step, as before: a wait in the
+    lookup would stall the running request's steps."""
+    from vllm import SamplingParams
+
+    from vllm_kvplugin.chunk.format import payload_checksum
+    from vllm_kvplugin.connector import scheduler as smod
+
+    q, other = prompt(4 * CHUNK + 3, seed=52), prompt(2 * CHUNK + 1, seed=53)
+    want_p, want_q = _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)
+    events = _watch_verdicts(monkeypatch, payload_checksum)
+    build, steps = smod.SchedulerSide.build_connector_meta, []  # tokens each step scheduled
+    monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta",
+                        lambda self, so: steps.append(so.total_num_scheduled_tokens) or build(self, so))
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want_p
+            assert generate(llm, [q])[0].token_ids == want_q
+            assert probe.worker.finisher.drain(30)
+            assert vllm_kvplugin.stats()["lone_fetches"] == 0  # two misses
+            probe.poison_all_blocks()
+            events.clear()
+            steps.clear()
+            warm = generate(llm, [P])[0]
+            assert events[:3] == [("fetch", 0), ("hashes", 8), ("verdict", 8)], events
+            assert steps[0] == len(P) - 8 * CHUNK, steps  # its first step computes the rest: none held back
+            assert warm.token_ids == want_p and warm.num_cached_tokens == 8 * CHUNK
+            s = vllm_kvplugin.stats()
+            assert s["lone_fetches"] == 1 and s["loaded_tokens"] == 8 * CHUNK and s["load_failures"] == {}
+            # another request running: q's hit goes with a step's metadata
+            engine_ = llm.llm_engine
+            engine_.add_request("other", {"prompt_token_ids": other},
+                                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            engine_.step()
+            assert engine_.has_unfinished_requests()
+            engine_.add_request("q", {"prompt_token_ids": q},
+                                SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            events.clear()
+            outs = {}
+            while engine_.has_unfinished_requests():
+                outs.update({o.request_id: o for o in engine_.step() if o.finished})
+            assert ("fetch", 0) in events and vllm_kvplugin.stats()["lone_fetches"] == 1, events
+            assert events.index(("fetch", 0)) < next(i for i, e in enumerate(events) if e[0] == "verdict")
+            assert list(outs["q"].outputs[0].token_ids) == want_q and outs["q"].num_cached_tokens == 4 * CHUNK
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+            assert [t for rid, t in probe.loads] == [8 * CHUNK, 4 * CHUNK]  # both targets poisoned first
         finally:
             shutdown(llm)
 

@@ -64,3 +64,20 @@ def test_posts_from_other_threads_are_all_taken():
         t.join()
     got += box.take().verdicts
     assert len(got) == 800 and len({rid for rid, _, _ in got}) == 800
+
+
+def test_the_fetcher_is_held_weakly_and_goes_with_its_worker():
+    """A worker half gone (an engine shut down) leaves no fetcher behind for the scheduler half."""
+
+    class Worker:
+        def fetch_now(self, req, fingerprint, wait_s):
+            return (req, fingerprint, wait_s)
+
+    box = open_box("engine-fetcher")
+    assert box.fetcher() is None
+    w = Worker()
+    box.attach_fetcher(w.fetch_now)
+    assert box.fetcher()("r", b"fp", 0.1) == ("r", b"fp", 0.1)
+    del w
+    gc.collect()
+    assert box.fetcher() is None

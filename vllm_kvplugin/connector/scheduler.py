@@ -19,6 +19,11 @@ A hit is claimed only once every rank verified its bytes (DESIGN.md rule 7):
    only and claims that many tokens; ``update_state_after_alloc`` turns the plan
    into loads of those verified bytes.
 
+A request alone in an engine of one rank that runs both halves in one process goes
+through the same three in one call: the lookup has the worker half fetch and verify
+at once and waits for the verdict (``_fetch_here``), so the hit is claimed in the
+step that looked it up.
+
 So no step ever computes over blocks a failed load did not write.  Should a load
 fail anyway after its claim (a copy error), vLLM recomputes its blocks, the
 workers drop every store of that step, and this side moves ``stored_upto`` back
@@ -69,6 +74,12 @@ _ASKING = object()
 #: the node answers in well under a millisecond; a request held back waits a whole step (on the
 #: H200 an idle engine's step took 2.4 ms, a busy one's tens of milliseconds).
 LOOKUP_GRACE_S = 0.002
+
+#: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
+#: verdict (``SchedulerSide._fetch_here``); a 64k-token hit of an 8B model (9.7 GB) is copied and
+#: verified in ~0.18 s on an H200.  A longer one is held back and claimed in a later step, as with
+#: other requests running.  A request arriving meanwhile waits at most this.
+LONE_FETCH_WAIT_S = 0.25
 
 @dataclass
 class Fetch:
@@ -208,16 +219,7 @@ class SchedulerSide:
             self._drop_fetch(tr)  # its lease may lapse before the load: look up again
             f = None
         if f is not None:
-            if f.good == len(f.jobs) and num_computed_tokens == f.plan.start:
-                tr.plan = f.plan  # every object verified and nothing new computed: planned again, it is the same
-            else:
-                verified = f.verified()
-                tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
-                                    lambda pos, g: (pos, g) in verified, self._limit(tr))
-            if tr.plan is None:
-                self._drop_fetch(tr)
-                return 0, False
-            return tr.plan.num_tokens, False
+            return self._claim(tr, f, num_computed_tokens)
         if self._being_stored(tr, now):
             return None, False  # this engine is storing chunks of the prompt: they land in a moment
         fetch = self._lookup(tr, num_computed_tokens)
@@ -227,8 +229,52 @@ class SchedulerSide:
             return 0, False
         self._fetches += 1
         tr.fetch, fetch.serial = fetch, self._fetches
-        self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs, fetch.serial))
+        req = FetchRequest(tr.req_id, fetch.jobs, fetch.serial)
+        here = self._fetch_here(req)
+        if here is None:
+            self._pending_fetches.append(req)  # the workers fetch it in this step
+        elif here:
+            self._take_verdicts()
+            if fetch.good >= 0:
+                return self._claim(tr, fetch, num_computed_tokens)
         return None, False
+
+    def _claim(self, tr: RequestTracker, f: Fetch, num_computed_tokens: int) -> tuple[int, bool]:
+        """The tokens of ``f``'s verified objects that load after ``num_computed_tokens``."""
+        if f.good == len(f.jobs) and num_computed_tokens == f.plan.start:
+            tr.plan = f.plan  # every object verified and nothing new computed: planned again, it is the same
+        else:
+            verified = f.verified()
+            tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
+                                lambda pos, g: (pos, g) in verified, self._limit(tr))
+        if tr.plan is None:
+            self._drop_fetch(tr)
+            return 0, False
+        return tr.plan.num_tokens, False
+
+    def _fetch_here(self, req: FetchRequest) -> bool | None:
+        """With no other request known to this connector (none running, none held back: a wait
+        holds up nobody but requests that arrived along with this one, which wait at most
+        :data:`LONE_FETCH_WAIT_S`) in an engine of one rank whose worker half is in this process:
+        that half fetches and verifies ``req`` now, on this thread, and the verdict is waited
+        for up to :data:`LONE_FETCH_WAIT_S` -- the hit is then claimed in this step instead of
+        the next (a step boundary and the verdict's hand-off between threads saved).
+
+        True: the verdict is in the box.  False: the fetch is under way, its verdict comes
+        later.  None: not done here (the workers fetch it with this step's metadata, as with
+        other requests running: a wait here would stall their steps)."""
+        if self.world_size != 1 or self._started or len(self._reqs) > 1:
+            return None  # (requests looked up and not finished: running, or waiting as this one)
+        fetch_now = self._verdicts.fetcher()
+        if fetch_now is None:
+            return None
+        t0 = time.monotonic()
+        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S)
+        if done is not None:
+            counters.SCHEDULER.add(lone_fetches=1, lone_fetch_wait_s=time.monotonic() - t0)
+            # an earlier fetch of the request, given up this step, was forgotten there first
+            self._forget = [rid for rid in self._forget if rid != req.req_id]
+        return done
 
     def _wait_for_a_lookup(self) -> None:
         """In a step that scheduled no tokens: wait, up to :data:`IDLE_WAIT_S` with the GIL

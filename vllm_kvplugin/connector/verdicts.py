@@ -20,6 +20,10 @@ chunks as being stored.
 Otherwise (several ranks, or the worker in a process of its own) all of it goes with the step's
 metadata, where the scheduler counts the ranks.
 
+The worker half of such an engine also attaches its ``fetch_now`` to the box: with no request
+running, the scheduler half has the worker fetch and verify a hit during the lookup itself and
+claims it in the same step (``SchedulerSide._fetch_here``).
+
 Who calls: the scheduler half opens its engine's box when it is made (:func:`open_box`); the
 worker half looks for it when it gives a verdict (:func:`find_box`: the scheduler may be made
 after the worker).  Boxes are found by vLLM's ``engine_id``; a verdict names its fetch's
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Slot = tuple[int, int]  # (group, slot) of the local tier
@@ -58,11 +63,22 @@ def _add(into: dict, counts: dict) -> None:
 
 class VerdictBox:
     """What the worker half posted and the scheduler half has not taken yet (see :class:`Posted`):
-    the latest verdict per request; bad slots and store results accumulate until taken."""
+    the latest verdict per request; bad slots and store results accumulate until taken.  Also
+    the worker half's entry for fetching a hit at once (:meth:`attach_fetcher`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._posted = Posted()
+        self._fetcher: weakref.WeakMethod | None = None
+
+    def attach_fetcher(self, fetch_now: Callable[..., bool | None]) -> None:
+        """The worker half's ``fetch_now`` (a bound method, held weakly): the scheduler half may
+        call it on vLLM's thread, where both halves run, to fetch a hit in its own step."""
+        self._fetcher = weakref.WeakMethod(fetch_now)
+
+    def fetcher(self) -> Callable[..., bool | None] | None:
+        """The worker half's ``fetch_now``, if one attached and still lives."""
+        return self._fetcher() if self._fetcher is not None else None
 
     def post(self, req_id: str, serial: int, good: int, bad: dict[Slot, str] | None = None) -> None:
         """A fetch's verdict; ``bad``: local slots whose objects failed verification -> the reason."""

@@ -160,6 +160,7 @@ class WorkerSide(StorePath):
         self._idle = False  # the bound step schedules no tokens (KVPluginMetadata.idle)
         self._progress = threading.Event()  # set when a fetch's hashes or a store are done
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
+        self._attached = False  # fetch_now is in the scheduler half's box
 
     # ------------------------------------------------------------- registration
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -211,6 +212,16 @@ class WorkerSide(StorePath):
                                    f"server_staging_bytes ({e}); set server_staging_bytes lower") from e
         global _REGISTERED
         _REGISTERED = weakref.ref(self)
+        self._attach()
+
+    def _attach(self) -> None:
+        """Offer :meth:`fetch_now` to the scheduler half's box (an engine of one rank whose
+        scheduler half is in this process; it may be made after this one: tried every step
+        until it is there)."""
+        box = self._box()
+        if box is not None:
+            box.attach_fetcher(self.fetch_now)
+            self._attached = True
 
     def _staging_bytes(self) -> int:
         """Room for the server objects of the stores in flight (``server_staging_bytes``; unset:
@@ -262,6 +273,46 @@ class WorkerSide(StorePath):
             self._fetch(fetch)
         for req in meta.loads:
             self._load(req, meta.epoch)
+
+    def fetch_now(self, req: FetchRequest, fingerprint: bytes, wait_s: float) -> bool | None:
+        """Called by the scheduler half of an engine of one rank (through its box), on vLLM's
+        thread between steps, while the engine runs no request: fetch and verify ``req`` now and
+        wait, at most ``wait_s`` (the GIL released), for its verdict, which goes into the box as
+        any other.  ``fingerprint``: the scheduler's (what :meth:`bind` takes from every step's
+        metadata; an engine's first request comes before any).
+
+        True: the verdict is in the box.  False: the fetch is under way and its verdict comes
+        later, from a step's :meth:`take_meta`.  None: not started (no transfer engine yet);
+        the fetch must go with the step's metadata."""
+        if self.engine is None:
+            return None
+        self.fingerprint = fingerprint
+        self._forget(req.req_id)  # an earlier fetch of the request given up this step
+        try:
+            with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
+                self._fetch(req)
+        except Exception:  # never into vLLM's scheduler: the hit is computed, nothing known bad
+            logger.exception("vllm-kvplugin: %s: fetching its hit failed", req.req_id)
+            counters.WORKER.failure("error")
+            self._forget(req.req_id)
+            box = self._box()
+            if box is None:
+                return None
+            box.post(req.req_id, req.serial, 0)
+            return True
+        deadline = time.monotonic() + wait_s
+        while req.req_id in self._verifying:
+            self._progress.clear()  # before looking: a completion from now on sets it
+            sums = self._verifying[req.req_id].sums
+            if sums is None or sums.done():
+                with torch.inference_mode():
+                    self._settle()
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._progress.wait(left)
+        return True
 
     def _fetch(self, req: FetchRequest) -> None:
         """Read every object of a held-back hit, send it toward the device and start verifying
@@ -542,6 +593,8 @@ class WorkerSide(StorePath):
         must not overwrite blocks that stores still read."""
         self.fingerprint = meta.fingerprint
         self._idle = meta.idle
+        if not self._attached and self.engine is not None:
+            self._attach()
         self.engine.fence()
         self.pump()
 
