@@ -34,9 +34,10 @@ modes ran seconds apart; the bars' ratios are taken per round and their median r
 (``*_each_round``: every round's).  The floor of a warm hit is the same engine's GPU
 prefix-cache hit of the same prompt, measured right after each warm run (the bars take the
 median of the pairs' differences); the link time of a hit is its bytes copied from pinned host
-memory to the GPU in the same run, after the rounds (``link_seconds``).  One engine's times moved by 10-30% between runs of the
-sequential method (``--sequential``: each mode's engine in turn, e.g. for more modes than fit
-beside each other).  Results: JSON with the machine and versions, and ratios.
+memory to the GPU in the same run, after the rounds (``link_seconds``).  One engine's times
+moved by 10-30% between runs of the sequential method (``--sequential``: each mode's engine in
+turn, e.g. for more modes than fit beside each other).  Results: JSON with the machine and
+versions, and ratios.
 """
 
 from __future__ import annotations
