@@ -49,9 +49,8 @@ _BODY = struct.Struct("<4sHHBBBBIIIIQQHHHH32s32s16s64sQQ")
 SPEC_SIZE = 64
 #: the payload digest hashes segments of this many bytes (the last one may be shorter).  A
 #: segment's 1 KiB blocks are folded in order; on a device a warp loads and sums 8 of them at a
-#: time (csrc/cuda/digests.cu).  The host's xxh3 of an object in
-#: segments of this size runs at about 0.87 of one call over the object (benchmarks/NOTES.md,
-#: "Digests on the device")
+#: time (csrc/cuda/digests.cu).  The host's xxh3 of an object in segments of this size runs at
+#: about 0.87 of one call over the object (benchmarks/NOTES.md, "Digests on the device")
 SEGMENT_BYTES = 256 << 10
 HEADER_SIZE = _BODY.size + 8  # + header checksum
 
