@@ -417,6 +417,58 @@ def test_a_prefetch_without_device_memory_leaves_the_load_to_copy(monkeypatch):
     assert _load_prefetched(eng, layout, layers, slots, bufs) == len(bufs)
 
 
+def _fill_device_memory() -> list[torch.Tensor]:
+    """Tensors that take the device's free memory, down to less than one 2 MiB granule (a
+    real out-of-memory for any new staging buffer; the allocator's cached small blocks stay)."""
+    hog: list[torch.Tensor] = []
+    for size in (1 << 30, 1 << 26, 2 << 20):
+        while True:
+            try:
+                hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+    return hog
+
+
+def test_a_load_without_device_memory_for_staging_is_scattered_from_the_host():
+    """A claimed load whose staging buffer cannot be allocated (the device really full) still
+    lands, read by the kernel from the page-locked host buffers: the cache holds the
+    reference's bytes and the next load, with memory back, stages as usual."""
+    eng = _engine("staged")
+    if not eng.kernel:
+        pytest.skip("the fallback reads the host through the CUDA kernel")
+    gen = torch.Generator().manual_seed(31)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 4, 64
+    slots = _slots(layout, C, T, gen)
+    _, bufs = _host_bufs(layout, C, T, gen)
+    for r in layers:  # poisoned: the loads must write every slot they plan
+        r.view(torch.uint8).fill_(0xA5)
+    want = [r.clone() for r in layers]
+    reference_scatter(layout, _ref_views(want, layout.dtype), slots.cuda(), _ref_chunk(torch.cat(bufs).cuda()))
+    keep = torch.empty(1024, device="cuda")  # noqa: F841 (a small block: the kernel's table fits beside it)
+    eng._pool.clear()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    hog = _fill_device_memory()
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            eng._acquire(C * layout.chunk_nbytes(T))
+        eng.load(layout, layers, slots, bufs)
+        torch.cuda.synchronize()
+        assert not eng._pool  # no staging buffer was made
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))
+    for r in layers:  # poisoned again, then loaded again: staged this time
+        r.view(torch.uint8).fill_(0xA5)
+    eng.load(layout, layers, slots, bufs)
+    torch.cuda.synchronize()
+    assert eng._pool
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))
+
+
 def test_staged_load_of_rows_out_of_order_across_pieces():
     """Rows of a prefetch copied in pieces, scattered in another order and with a gap: each
     run waits for its own piece; the cache holds the reference's bytes."""

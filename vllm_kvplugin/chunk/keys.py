@@ -24,7 +24,6 @@ before is unreachable to it.
 
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 import struct
@@ -84,16 +83,17 @@ def root_key(fingerprint: bytes, chunk_size: int, extras: KeyExtras = KeyExtras(
 
 
 def _int32_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """The ids as non-negative int32 (a list through ``array``: vLLM's prompts are lists, and
-    a 64k-token list went through ``np.asarray`` in 2 ms on the lookup's critical path)."""
+    """The ids as non-negative little-endian int32 (a list through ``struct``: vLLM's prompts
+    are lists, and on the lookup's critical path ``struct.pack`` converts one in half the time
+    of ``array`` and of ``np.asarray``)."""
     if isinstance(token_ids, np.ndarray):
         tokens = token_ids
         if tokens.size and tokens.max() > 0x7FFFFFFF:
             raise ValueError("token ids must fit in int32")
     else:
         try:
-            tokens = np.frombuffer(array.array("i", token_ids), dtype=np.intc)
-        except (OverflowError, TypeError) as e:
+            tokens = np.frombuffer(struct.pack(f"<{len(token_ids)}i", *token_ids), dtype="<i4")
+        except (struct.error, OverflowError, TypeError) as e:
             raise ValueError(f"token ids must fit in int32 ({e})") from None
     if tokens.size and tokens.min() < 0:
         raise ValueError("token ids must fit in int32")

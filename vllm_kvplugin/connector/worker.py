@@ -111,13 +111,15 @@ def slot_count(slots: torch.Tensor) -> int:
 class _Verifying:
     """A fetch whose payload hashes may still be running (``WorkerSide._settle`` ends it):
     ``errors`` per job so far, ``checked`` job -> (header checksum, payload tensor) of the
-    objects whose headers passed, ``order`` the jobs hashed by ``sums`` (None: not verified)."""
+    objects whose headers passed, ``order`` the jobs hashed by ``sums`` (None: not verified);
+    ``on_device``: every one of ``sums`` is computed on the device (no host thread hashes)."""
 
     req: FetchRequest
     errors: list
     checked: dict[int, tuple[int, torch.Tensor]]
     order: list[int]
     sums: PendingChecksums | None
+    on_device: bool = False
 
 
 #: the worker half registered last in this process (``vllm-kvplugin verify`` reads it)
@@ -311,7 +313,10 @@ class WorkerSide(StorePath):
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            self._progress.wait(left)
+            if self._verifying[req.req_id].on_device:
+                time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
+                continue
+            self._progress.wait(left)  # (host hashes: their threads need the cores)
         return True
 
     def _fetch(self, req: FetchRequest) -> None:
@@ -337,6 +342,7 @@ class WorkerSide(StorePath):
         found: dict[int, tuple[bytes, memoryview, torch.Tensor]] = {}
         parts: list[PendingChecksums] = []
         order: list[int] = []  # the jobs whose payloads are verified, in the order of ``parts``
+        device_parts = 0  # of ``parts``, computed on the device
         verify = self.cfg.verify_checksums
         host_first = verify and not self.engine.digests
         for n, job in enumerate(jobs):
@@ -369,6 +375,7 @@ class WorkerSide(StorePath):
                 if digests is not None:
                     parts.append(digests)
                     order += rows
+                    device_parts += 1
             covered = set(order) | set(unverifiable)
             rest = [n for n in found if n not in covered]
             if rest:
@@ -383,7 +390,8 @@ class WorkerSide(StorePath):
                 checked[n] = (check_chunk(header, data, expect, verify_checksum=False).checksum, tensor)
             except ChunkError as e:
                 errors[n] = e.with_traceback(None)
-        self._verifying[req.req_id] = _Verifying(req, errors, checked, order, sums)
+        self._verifying[req.req_id] = _Verifying(req, errors, checked, order, sums,
+                                                 on_device=bool(parts) and device_parts == len(parts))
         if sums is not None:
             sums.when_done(self._progress.set)
         self._settle()

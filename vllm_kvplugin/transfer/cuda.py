@@ -600,13 +600,21 @@ class CudaTransfer:
             self._kern.wait_event(self._event(compute))
             for ev in self._pending_gathers:  # a pending store may still read a reused block
                 self._kern.wait_event(ev)
-            if nbytes <= self.load_zc_max:
+            staging = None
+            if nbytes > self.load_zc_max:
+                try:
+                    staging = self._acquire(nbytes)
+                except torch.OutOfMemoryError:  # a claimed load must still land: read from the host
+                    if not self.kernel:
+                        raise
+                    logger.warning("vllm-kvplugin: no device memory to stage a %d-byte load; "
+                                   "it is scattered straight from the host (zero-copy)", nbytes)
+            if staging is None:
                 with torch.cuda.stream(self._kern):
                     self._scatter(layout, layers, slots, list(bufs), self.zc_max_ctas)
                     done = self._event(self._kern)
                 self._note_host_reads(bufs, done)
             else:
-                staging = self._acquire(nbytes)
                 if staging.busy is not None:
                     self._h2d.wait_event(staging.busy)
                 stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
