@@ -92,6 +92,7 @@ class StageTimers:
 
         from vllm_kvplugin.chunk.checksums import join_checksums
         from vllm_kvplugin.connector import worker as wmod
+        from vllm_kvplugin.connector import worker_fetch as fmod
         from vllm_kvplugin.connector.scheduler import SchedulerSide
         from vllm_kvplugin.transfer.cuda import CudaTransfer
 
@@ -109,7 +110,7 @@ class StageTimers:
             self._wrap_host(owner, name, stage)
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
-        orig_start, orig_digest, timed_fetch = wmod.start_payload_checksums, CudaTransfer.digest, wmod.WorkerSide._fetch
+        orig_start, orig_digest, timed_fetch = fmod.start_payload_checksums, CudaTransfer.digest, wmod.WorkerSide._fetch
 
         def note(sums):  # a fetch's hashes or device digests (it may start them in parts)
             if sums is not None and getattr(self._local, "in_fetch", False):
@@ -138,7 +139,7 @@ class StageTimers:
                     self._spans["verify"].append((t0 - self._t0, t1 - self._t0))
                 if parts:
                     join_checksums(parts).when_done(done)
-        wmod.start_payload_checksums = start
+        fmod.start_payload_checksums = start
         CudaTransfer.digest = digest
         wmod.WorkerSide._fetch = fetch
         gc.callbacks.append(self._on_gc)

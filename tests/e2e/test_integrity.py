@@ -357,7 +357,7 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
 
     from vllm_kvplugin.chunk.checksums import StartedChecksums
     from vllm_kvplugin.connector import scheduler as smod
-    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.connector import worker_fetch as fmod
 
     events: list[tuple[str, int]] = []
     pool = ThreadPoolExecutor(2)
@@ -365,7 +365,7 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
     def start(ps):
         events.append(("hashes", len(ps)))
         return StartedChecksums(ps, [pool.submit(hash_one, p) for p in ps])
-    monkeypatch.setattr(wmod, "start_payload_checksums", start)
+    monkeypatch.setattr(fmod, "start_payload_checksums", start)
     build, verdict = smod.SchedulerSide.build_connector_meta, smod.SchedulerSide._verdict
 
     def build_meta(self, so):
@@ -412,11 +412,11 @@ def test_a_hit_is_verified_while_the_engine_goes_on(qwen3_model, monkeypatch, fa
     objects start before the others are read (as for large objects, one per hashing thread),
     the flipped chunk among the rest (2) or among them (4)."""
     from vllm_kvplugin.chunk.format import payload_checksum
-    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.connector import worker_fetch as fmod
 
     if first is not None:
-        monkeypatch.setattr(wmod, "MAX_THREADS", first)
-        monkeypatch.setattr(wmod, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(fmod, "MAX_THREADS", first)
+        monkeypatch.setattr(fmod, "PARALLEL_MIN_BYTES", 0)
     q = prompt(3 * CHUNK + 5, seed=41)
     want_p, want_q = _baseline(qwen3_model, BLOCK, [[P], [q]], budget=CHUNK)
     gate = threading.Event()

@@ -136,7 +136,7 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
     import test_integrity
     from test_integrity import _local_flip, _server_flip
 
-    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.connector import worker_fetch as fmod
 
     monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
     bad, p = test_integrity.BAD, prompt(8 * CHUNK + 10, seed=51)
@@ -151,8 +151,8 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
     cfg = {"chunk_size": CHUNK, **({"cpu_bytes": 0, "server": srv.address} if srv else {"cpu_bytes": 1 << 30})}
     counters.STATS.reset()
     hashed_on_host = []
-    orig = wmod.start_payload_checksums
-    monkeypatch.setattr(wmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
+    orig = fmod.start_payload_checksums
+    monkeypatch.setattr(fmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
     try:
         with Probe().installed() as probe:
             llm = engine(model, BLOCK, cfg, **kw)
@@ -194,7 +194,7 @@ def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypat
     import test_integrity
     from test_integrity import _local_flip
 
-    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.connector import worker_fetch as fmod
 
     monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
     monkeypatch.setattr(test_integrity, "BAD", bad)
@@ -208,8 +208,8 @@ def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypat
     chunk_bytes = 8 * 2 * CHUNK * 8 * 128 * 2  # the lane's model: 8 layers of 8 KV heads x 128, bf16
     counters.STATS.reset()
     hashed_on_host = []
-    orig = wmod.start_payload_checksums
-    monkeypatch.setattr(wmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
+    orig = fmod.start_payload_checksums
+    monkeypatch.setattr(fmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
     with Probe().installed() as probe:
         llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30, "gpu_staging_bytes": 3 * chunk_bytes},
                      **kw)

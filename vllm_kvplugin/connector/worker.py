@@ -5,33 +5,25 @@ Runs in each vLLM worker process.  Call order per step (vLLM): metadata bound
 hit does; after it otherwise) -> forward -> ``store`` (from ``wait_for_save``)
 -> ``take_invalid_blocks`` / ``take_meta``.
 
-``start_load`` first *fetches*: it reads the objects of every hit the scheduler
-is holding back, checks header and size and starts their checksums; the verdict
-goes to the scheduler with the metadata of the step in which the hashes are in
-(``take_meta``: a step with tokens never waits for them, one without waits a
-bounded time rather than spin) -- or, for an engine of one rank whose scheduler
-half is in this process, straight into its box (``connector/verdicts.py``) --
-and views of the verified bytes are kept (they stay put: pinned in the local
-tier, leased on the server; a restarted server's old pool stays mapped).  Then
-it *loads* claimed hits from those verified views only.  A load can thus only
-fail on a copy error: its
-blocks are then reported to vLLM (by default vLLM ends the request with an error
-and drops the blocks from its prefix cache: ``load_failure_policy``), and every
-store of the step and of later metadata up to the scheduler's next epoch is
-dropped (computed over blocks the load never wrote).  Nothing here may crash the
-engine or serve doubtful KV; an object that fails verification is dropped from
-its tier at once.  Stores are :class:`~vllm_kvplugin.connector.worker_stores.StorePath`'s.
+``start_load`` first *fetches* every hit the scheduler is holding back
+(:class:`~vllm_kvplugin.connector.worker_fetch.FetchPath`: objects read and
+verified, the verdict to the scheduler, views of the verified bytes kept), then
+*loads* claimed hits from those verified views only.  A load can thus only fail
+on a copy error: its blocks are then reported to vLLM (by default vLLM ends the
+request with an error and drops the blocks from its prefix cache:
+``load_failure_policy``), and every store of the step and of later metadata up
+to the scheduler's next epoch is dropped (computed over blocks the load never
+wrote).  Nothing here may crash the engine or serve doubtful KV.  Stores are
+:class:`~vllm_kvplugin.connector.worker_stores.StorePath`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,26 +32,19 @@ import torch
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.checksums import (
-    MAX_THREADS,
     PARALLEL_MIN_BYTES,
-    PendingChecksums,
-    join_checksums,
     payload_checksums,
-    start_payload_checksums,
 )
 from vllm_kvplugin.chunk.format import (
     HEADER_SIZE,
     ChunkError,
     ChunkExpect,
-    check_chunk,
     dtype_name,
 )
 from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector import finisher
 from vllm_kvplugin.connector.finisher import StoreFinisher
 from vllm_kvplugin.connector.metadata import (
-    IDLE_WAIT_S,
-    FetchRequest,
     KVPluginMetadata,
     KVPluginWorkerMeta,
     LoadJob,
@@ -67,6 +52,7 @@ from vllm_kvplugin.connector.metadata import (
     StoreJob,
 )
 from vllm_kvplugin.connector.verdicts import find_box
+from vllm_kvplugin.connector.worker_fetch import FetchPath, _Verifying
 from vllm_kvplugin.connector.worker_stores import StorePath
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
 from vllm_kvplugin.layout.descriptor import GroupKind
@@ -76,8 +62,8 @@ from vllm_kvplugin.layout.state import (
     check_state,
     scatter_state,
 )
-from vllm_kvplugin.tiers.local_cpu import LocalPool, bytes_of, slots_for_budget
-from vllm_kvplugin.tiers.mp import ServerStore, TierTrouble
+from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
+from vllm_kvplugin.tiers.mp import ServerStore
 from vllm_kvplugin.transfer import TransferEngine, engine_for
 from vllm_kvplugin.transfer.host_buffers import HostBuffers
 
@@ -107,21 +93,6 @@ def slot_count(slots: torch.Tensor) -> int:
     return int(np.count_nonzero(slots.numpy() >= 0))
 
 
-@dataclass
-class _Verifying:
-    """A fetch whose payload hashes may still be running (``WorkerSide._settle`` ends it):
-    ``errors`` per job so far, ``checked`` job -> (header checksum, payload tensor) of the
-    objects whose headers passed, ``order`` the jobs hashed by ``sums`` (None: not verified);
-    ``on_device``: every one of ``sums`` is computed on the device (no host thread hashes)."""
-
-    req: FetchRequest
-    errors: list
-    checked: dict[int, tuple[int, torch.Tensor]]
-    order: list[int]
-    sums: PendingChecksums | None
-    on_device: bool = False
-
-
 #: the worker half registered last in this process (``vllm-kvplugin verify`` reads it)
 _REGISTERED: weakref.ref | None = None
 
@@ -131,7 +102,7 @@ def registered() -> WorkerSide | None:
     return _REGISTERED() if _REGISTERED is not None else None
 
 
-class WorkerSide(StorePath):
+class WorkerSide(FetchPath, StorePath):
     """The worker half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig,
@@ -276,162 +247,6 @@ class WorkerSide(StorePath):
         for req in meta.loads:
             self._load(req, meta.epoch)
 
-    def fetch_now(self, req: FetchRequest, fingerprint: bytes, wait_s: float) -> bool | None:
-        """Called by the scheduler half of an engine of one rank (through its box), on vLLM's
-        thread between steps, while the engine runs no request: fetch and verify ``req`` now and
-        wait, at most ``wait_s`` (the GIL released), for its verdict, which goes into the box as
-        any other.  ``fingerprint``: the scheduler's (what :meth:`bind` takes from every step's
-        metadata; an engine's first request comes before any).
-
-        True: the verdict is in the box.  False: the fetch is under way and its verdict comes
-        later, from a step's :meth:`take_meta`.  None: not started (no transfer engine yet);
-        the fetch must go with the step's metadata."""
-        if self.engine is None:
-            return None
-        self.fingerprint = fingerprint
-        self._forget(req.req_id)  # an earlier fetch of the request given up this step
-        try:
-            with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
-                self._fetch(req)
-        except Exception:  # never into vLLM's scheduler: the hit is computed, nothing known bad
-            logger.exception("vllm-kvplugin: %s: fetching its hit failed", req.req_id)
-            counters.WORKER.failure("error")
-            self._forget(req.req_id)
-            box = self._box()
-            if box is None:
-                return None
-            box.post(req.req_id, req.serial, 0)
-            return True
-        deadline = time.monotonic() + wait_s
-        while req.req_id in self._verifying:
-            self._progress.clear()  # before looking: a completion from now on sets it
-            sums = self._verifying[req.req_id].sums
-            if sums is None or sums.done():
-                with torch.inference_mode():
-                    self._settle()
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if self._verifying[req.req_id].on_device:
-                time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
-                continue
-            self._progress.wait(left)  # (host hashes: their threads need the cores)
-        return True
-
-    def _fetch(self, req: FetchRequest) -> None:
-        """Read every object of a held-back hit, send it toward the device and start verifying
-        it; the verdict is given by :meth:`_settle` once the hashes are in (the step does not
-        wait for them: the engine goes on with its other requests meanwhile)."""
-        jobs = req.jobs
-        errors: list[ChunkError | TierTrouble | None] = [None] * len(jobs)
-        views: list[tuple[bytes, torch.Tensor] | None] = [None] * len(jobs)
-        # errors are kept without their tracebacks: a traceback holds this frame, whose views
-        # would keep an old server pool mapped until the garbage collector ran
-        try:
-            self._resolve_remote(jobs, views)
-        except TierTrouble as e:
-            errors = [e.with_traceback(None) if j.lease else None for j in jobs]
-        # the objects' bytes, where their sizes are right.  Those sent toward the device are
-        # verified there, over the bytes that landed (the engine's ``digest``); the host hashes
-        # the rest (all of them on an engine without device digests) while the link moves them
-        # and the headers are checked (unverified bytes go into staging only; a load scatters
-        # verified objects alone).  The verdict waits for the last digest.  Without device
-        # digests the host starts the first objects' hashes at once, so its threads work while
-        # the rest are read and their copy is issued.
-        found: dict[int, tuple[bytes, memoryview, torch.Tensor]] = {}
-        parts: list[PendingChecksums] = []
-        order: list[int] = []  # the jobs whose payloads are verified, in the order of ``parts``
-        device_parts = 0  # of ``parts``, computed on the device
-        verify = self.cfg.verify_checksums
-        host_first = verify and not self.engine.digests
-        for n, job in enumerate(jobs):
-            if errors[n] is None:
-                try:
-                    found[n] = self._object(job, views[n])
-                except ChunkError as e:
-                    errors[n] = e.with_traceback(None)
-            if host_first and not order and len(found) == MAX_THREADS:
-                first = [data for _, data, _ in found.values()]
-                if sum(d.nbytes for d in first) >= PARALLEL_MIN_BYTES:  # enough for the threads
-                    parts.append(start_payload_checksums(first))
-                    order = list(found)
-        # the copy goes first: the first hashes keep the threads busy while the rest are queued
-        prefetched = self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
-        if verify:
-            unverifiable: list[int] = []
-            for g, (pre, _) in prefetched.items():
-                rows = [n for n in found if jobs[n].group == g][:pre.rows]
-                try:
-                    digests = self.engine.digest(pre)
-                except Exception as e:  # no verdict for those rows: recomputed, nothing known bad
-                    logger.exception("vllm-kvplugin: %s: device digests of %d objects could not be started",
-                                     req.req_id, len(rows))
-                    trouble = TierTrouble("verify_error", f"device digests could not be started ({e})")
-                    for n in rows:
-                        errors[n] = errors[n] or trouble
-                    unverifiable += rows
-                    continue
-                if digests is not None:
-                    parts.append(digests)
-                    order += rows
-                    device_parts += 1
-            covered = set(order) | set(unverifiable)
-            rest = [n for n in found if n not in covered]
-            if rest:
-                parts.append(start_payload_checksums([found[n][1] for n in rest]))
-                order += rest
-        sums = join_checksums(parts) if verify and parts else None
-        checked: dict[int, tuple[int, torch.Tensor]] = {}
-        for n, (header, data, tensor) in found.items():
-            job = jobs[n]
-            try:
-                expect = self._expect(job.group, job.key, job.position)
-                checked[n] = (check_chunk(header, data, expect, verify_checksum=False).checksum, tensor)
-            except ChunkError as e:
-                errors[n] = e.with_traceback(None)
-        self._verifying[req.req_id] = _Verifying(req, errors, checked, order, sums,
-                                                 on_device=bool(parts) and device_parts == len(parts))
-        if sums is not None:
-            sums.when_done(self._progress.set)
-        self._settle()
-
-    def _settle(self, wait: bool = False) -> None:
-        """The verdict of every fetch whose hashes are in: how many leading objects passed (to
-        the scheduler with this step's metadata); views of those are kept for the load.  Every
-        object that failed is dropped from its tier at once (each would fail a later hit); the
-        failure counts once, by the first one's reason.
-
-        ``wait``: first :meth:`_wait_while_idle`."""
-        if wait:
-            self._wait_while_idle()
-        for rid, v in list(self._verifying.items()):
-            if v.sums is not None and not v.sums.done():
-                continue
-            del self._verifying[rid]
-            errors, jobs = v.errors, v.req.jobs
-            if v.sums is not None:
-                try:
-                    sums = v.sums.result()
-                except Exception as e:  # the hashing itself failed: nothing verified, nothing known bad
-                    logger.exception("vllm-kvplugin: %s: hashing its hit failed", rid)
-                    trouble = TierTrouble("verify_error", f"payload checksums could not be computed ({e})")
-                    sums = [None] * len(v.order)
-                    for n in v.order:
-                        errors[n] = errors[n] or trouble
-                for n, got in zip(v.order, sums):
-                    if got is not None and n in v.checked and got != v.checked[n][0]:
-                        errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
-            good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
-            self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
-            bad = self._failed_fetch(v.req, errors) if good < len(jobs) else {}
-            box = self._box()
-            if box is not None:  # the scheduler half is in this process: it takes it before its next match
-                box.post(rid, v.req.serial, good, bad)
-            else:
-                self._meta.fetched[rid] = (1, good)
-                self._meta.bad_slots.update(bad)
-
     def _box(self):
         """The scheduler half's box when it is in this process and the engine has one rank (else
         verdicts and finished stores go with the step's metadata)."""
@@ -448,96 +263,6 @@ class WorkerSide(StorePath):
             self.finisher.take(done)
             box.post_stores(done.stored, done.store_failed, done.store_done)
         self._progress.set()
-
-    def _wait_while_idle(self) -> None:
-        """In a step that scheduled no tokens (nothing else to hold up): wait, up to
-        :data:`~vllm_kvplugin.connector.metadata.IDLE_WAIT_S` with the GIL released, until a
-        fetch's hashes or a store are done (what a held-back request waits on), rather than
-        spin empty steps whose thread keeps the GIL from the threads doing that work.  A new
-        request waits at most that."""
-        self._progress.clear()  # before looking: a completion from now on sets it
-        box = self._box()
-        if (any(v.sums is None or v.sums.done() for v in self._verifying.values()) or self.finisher.has_results()
-                or (box is not None and box.pending())):
-            return
-        if self._verifying or self.finisher.busy():
-            self._progress.wait(IDLE_WAIT_S)
-
-    def _object(self, job, view) -> tuple[bytes, memoryview, torch.Tensor]:
-        """An object's header bytes, payload bytes and payload tensor (``[1, *shape]``), from
-        the local pool or from its server lease view; a payload of the wrong size is an error."""
-        if job.lease:
-            header, payload = view
-            data = bytes_of(payload)
-        else:
-            if self.pool is None or not 0 <= job.slot < self.pool.num_slots:
-                raise ChunkError("missing", f"slot {job.slot} outside the pool")
-            header = self.pool.header(job.group, job.slot)
-            if header is None:
-                raise ChunkError("missing", f"slot {job.slot} holds no object")
-            data, payload = self.pool.views(job.group, job.slot)  # made once per slot
-        shape, dtype = self._shape(job.group), self._dtype(job.group)
-        want = math.prod(shape) * dtype.itemsize
-        if data.nbytes != want:
-            raise ChunkError("short_read", f"payload has {data.nbytes} of {want} bytes")
-        if not job.lease:  # the pool's objects have the group's shape and dtype
-            return header, data, payload
-        return header, data, payload.view(dtype).view(1, *shape)
-
-    def _prefetch(self, req: FetchRequest, found: dict[int, torch.Tensor]) -> dict[int, tuple[Any, dict[int, int]]]:
-        """Per attention-like group, the objects found, sent toward the device (a CUDA cache)
-        while their headers and payloads are checked: (prefetch, position -> row)."""
-        out = {}
-        for g, spec in enumerate(self.groups):
-            if spec.kind is GroupKind.RECURRENT:
-                continue
-            mine = [(req.jobs[n].position, t) for n, t in found.items() if req.jobs[n].group == g]
-            pre = self.engine.prefetch(self.layouts[g], [t for _, t in mine]) if mine else None
-            if pre is not None:
-                out[g] = (pre, {pos: row for row, (pos, _) in enumerate(mine[:pre.rows])})
-        return out
-
-    def _forget(self, req_id: str) -> None:
-        """A fetch that will not load (or just did): its views and device staging go, and a
-        verdict still due is never given (hashes still running are left to finish unread)."""
-        self._verifying.pop(req_id, None)
-        self._staged.pop(req_id, None)
-        for pre, _ in self._prefetched.pop(req_id, {}).values():
-            self.engine.release(pre)
-
-    def _resolve_remote(self, jobs, views) -> None:
-        """Pool views (header bytes, payload tensor) of the leased jobs, per group."""
-        by_group: dict[int, list[int]] = {}
-        for n, job in enumerate(jobs):
-            if job.lease:
-                by_group.setdefault(job.group, []).append(n)
-        if by_group and self.server is None:
-            raise TierTrouble("server_unavailable", "no server configured in this worker")
-        for g, idx in by_group.items():
-            offs = self.server.resolve(jobs[idx[0]].lease, [jobs[n].key for n in idx], g)
-            for n, (off, size) in zip(idx, offs):
-                header_t, payload_t = self.server.views(off, size)
-                views[n] = (bytes(header_t.numpy()), payload_t)
-
-    def _failed_fetch(self, req: FetchRequest, errors) -> dict[tuple[int, int], str]:
-        """Count and log a fetch's first failure; drop its corrupt server objects; return its
-        corrupt local slots (group, slot) -> reason, for the scheduler to drop with the verdict."""
-        first = next(n for n, e in enumerate(errors) if e is not None)
-        job, e = req.jobs[first], errors[first]
-        counters.WORKER.failure(e.reason)
-        logger.warning("vllm-kvplugin: %s: object of chunk %d (group %d) not served (%s); recomputing",
-                       req.req_id, job.position, job.group, e)
-        corrupt, bad = [], {}
-        for job, e in zip(req.jobs, errors):
-            if not isinstance(e, ChunkError):
-                continue  # fine, or the tier could not answer: nothing known to be wrong with it
-            if job.slot >= 0:
-                bad[(job.group, job.slot)] = e.reason
-            elif job.lease and self.server is not None:
-                corrupt.append(self.server.object_id(job.key, job.group))
-        if corrupt:
-            self.server.drop(corrupt)
-        return bad
 
     # -------------------------------------------------------------------- loads
     def _load(self, req: LoadRequest, epoch: int) -> None:
