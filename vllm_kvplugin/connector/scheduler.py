@@ -37,7 +37,6 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvplugin import counters
@@ -53,13 +52,13 @@ from vllm_kvplugin.connector.metadata import (
     KVPluginWorkerMeta,
     LoadJob,
     LoadRequest,
-    StoreJob,
     StoreRequest,
 )
+from vllm_kvplugin.connector.scheduler_stores import StoreDecisions
+from vllm_kvplugin.connector.tracker import Fetch, RequestTracker, object_blocks
 from vllm_kvplugin.connector.verdicts import open_box
 from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.layout.descriptor import GroupKind
-from vllm_kvplugin.layout.groups import GroupSpec
 from vllm_kvplugin.planner import LoadPlan, ObjectLoad, max_loadable_tokens, plan_load
 from vllm_kvplugin.tiers.local_cpu import LocalIndex, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerIndex, TierTrouble
@@ -81,53 +80,8 @@ LOOKUP_GRACE_S = 0.002
 #: other requests running.  A request arriving meanwhile waits at most this.
 LONE_FETCH_WAIT_S = 0.25
 
-@dataclass
-class Fetch:
-    """A planned hit whose objects the workers are verifying (or have verified)."""
 
-    plan: LoadPlan
-    jobs: list[FetchJob]
-    lease: int  # the server lease pinning the objects (0: local tier)
-    pins: list[tuple[int, int]]  # (group, slot) pinned in the local tier
-    issued: float
-    ranks: int = 0  # ranks that reported
-    fewest: int | None = None  # fewest leading jobs verified by a rank that reported
-    good: int = -1  # leading jobs every rank verified (-1: not all ranks reported yet)
-    verified_at: float = 0.0
-    serial: int = 0  # this scheduler's number of the fetch (a verdict posted directly names it)
-
-    def verified(self) -> set[tuple[int, int]]:
-        return {(j.position, j.group) for j in self.jobs[:max(0, self.good)]}
-
-
-@dataclass
-class RequestTracker:
-    req_id: str
-    prompt_len: int
-    keys: list[bytes]  # full prompt chunks
-    block_ids: list[list[int]] = field(default_factory=list)  # per group
-    num_computed: int = 0
-    stored_upto: int = 0  # chunks below this were considered for storing
-    server_hits: int = 0  # chunks the server holds (its last lookup)
-    fetch: Fetch | None = None
-    plan: LoadPlan | None = None  # granted by the last get_num_new_matched_tokens
-    looked_up: bool = False
-    waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
-    server_lookup: Any = None  # the server lookup in flight (a Future), with the first chunk it asked from
-
-
-def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,
-                  hit_end: int = 0) -> tuple[int, ...]:
-    """The group's blocks covering what object ``position`` holds (recurrent: the state block
-    at ``hit_end``, the tokens after which the state is)."""
-    if spec.kind is GroupKind.RECURRENT:
-        return (block_ids[hit_end // spec.block_size - 1],)
-    end = (position + 1) * chunk_size
-    lo = end - spec.stored_tokens(chunk_size)
-    return tuple(block_ids[lo // spec.block_size:end // spec.block_size])
-
-
-class SchedulerSide:
+class SchedulerSide(StoreDecisions):
     """The scheduler half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig):
@@ -467,70 +421,6 @@ class SchedulerSide:
                 block = tr.block_ids[job.group][col]
                 if block not in job.block_ids:
                     job.block_ids = (*job.block_ids, block)
-
-    def _store_jobs(self, tr: RequestTracker, done: int) -> list[StoreJob]:
-        """Objects of the chunks completed by this step: into the local tier (once per key,
-        while there is room, a prefix only) and to the server (past what its lookup found; it
-        drops what it has)."""
-        jobs: list[StoreJob] = []
-        C = self.chunk_size
-        local_open = [idx.num_slots > 0 for idx in self.local]
-        for ci in range(tr.stored_upto, done):
-            key = tr.keys[ci]
-            to_server = self.server is not None and ci >= tr.server_hits
-            for g, spec in enumerate(self.groups):
-                if spec.kind is GroupKind.RECURRENT:
-                    continue  # _state_jobs
-                idx, slot = self.local[g], -1
-                if local_open[g] and not idx.contains(key):
-                    got = idx.allocate(key)
-                    if got is None:  # no room: a later chunk without this one is useless
-                        counters.SCHEDULER.add(store_skipped_chunks=done - ci)
-                        local_open[g] = False
-                    else:
-                        slot, evicted = got
-                        if evicted:
-                            counters.SCHEDULER.add(evicted_bytes=evicted)
-                        self._slot_chunk[(g, slot)] = ci
-                if slot >= 0 or to_server:
-                    end = (ci + 1) * C
-                    jobs.append(StoreJob(key, ci, g, object_blocks(spec, tr.block_ids[g], ci, C),
-                                         end - spec.stored_tokens(C), end, slot=slot, to_server=to_server))
-                    self._storing[key] = self._storing.get(key, 0) + self.world_size
-        tr.stored_upto = max(tr.stored_upto, done)
-        for idx in self.local:
-            idx.touch(tr.keys[:done])
-        return jobs
-
-    def _state_jobs(self, tr: RequestTracker, end: int) -> list[StoreJob]:
-        """Recurrent checkpoints: vLLM ("align" mode) leaves the state after a step's last token
-        in the block of column ``end / B - 1``; when the step ends on a chunk boundary inside the
-        prompt, that is the checkpoint of the chunk ending there.  Kept every ``state_interval``
-        chunks and always at the last boundary before the prompt's last token."""
-        C = self.chunk_size
-        if not self.state_groups or end % C or not C <= end <= tr.prompt_len:
-            return []
-        pos = end // C - 1
-        if (pos + 1) % self.cfg.state_interval and end != max_loadable_tokens(tr.prompt_len, C):
-            return []
-        key, jobs = tr.keys[pos], []
-        for spec in self.state_groups:
-            ids = tr.block_ids[spec.index]
-            col = end // spec.block_size - 1
-            if col >= len(ids) or not ids[col]:
-                continue  # no state there (a null block): nothing materialised
-            idx, slot = self.local[spec.index], -1
-            if idx.num_slots and not idx.contains(key):
-                got = idx.allocate(key)
-                if got is not None:
-                    slot, evicted = got
-                    counters.SCHEDULER.add(evicted_bytes=evicted)
-                    self._slot_chunk[(spec.index, slot)] = pos
-            if slot >= 0 or self.server is not None:
-                jobs.append(StoreJob(key, pos, spec.index, (ids[col],), end, end, slot=slot,
-                                     to_server=self.server is not None))
-                self._storing[key] = self._storing.get(key, 0) + self.world_size
-        return jobs
 
     # ---------------------------------------------------------- worker results
     def _verdict(self, rid: str, ranks: int, good: int, serial: int | None = None) -> None:

@@ -1,0 +1,58 @@
+"""What the scheduler half keeps per request: its chunk keys, the blocks vLLM gave it, the hit
+being verified (:class:`Fetch`) and how far its chunks were considered for storing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvplugin.connector.metadata import FetchJob
+from vllm_kvplugin.layout.descriptor import GroupKind
+from vllm_kvplugin.layout.groups import GroupSpec
+from vllm_kvplugin.planner import LoadPlan
+
+
+@dataclass
+class Fetch:
+    """A planned hit whose objects the workers are verifying (or have verified)."""
+
+    plan: LoadPlan
+    jobs: list[FetchJob]
+    lease: int  # the server lease pinning the objects (0: local tier)
+    pins: list[tuple[int, int]]  # (group, slot) pinned in the local tier
+    issued: float
+    ranks: int = 0  # ranks that reported
+    fewest: int | None = None  # fewest leading jobs verified by a rank that reported
+    good: int = -1  # leading jobs every rank verified (-1: not all ranks reported yet)
+    verified_at: float = 0.0
+    serial: int = 0  # this scheduler's number of the fetch (a verdict posted directly names it)
+
+    def verified(self) -> set[tuple[int, int]]:
+        return {(j.position, j.group) for j in self.jobs[:max(0, self.good)]}
+
+
+@dataclass
+class RequestTracker:
+    req_id: str
+    prompt_len: int
+    keys: list[bytes]  # full prompt chunks
+    block_ids: list[list[int]] = field(default_factory=list)  # per group
+    num_computed: int = 0
+    stored_upto: int = 0  # chunks below this were considered for storing
+    server_hits: int = 0  # chunks the server holds (its last lookup)
+    fetch: Fetch | None = None
+    plan: LoadPlan | None = None  # granted by the last get_num_new_matched_tokens
+    looked_up: bool = False
+    waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
+    server_lookup: Any = None  # the server lookup in flight (a Future), with the first chunk it asked from
+
+
+def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,
+                  hit_end: int = 0) -> tuple[int, ...]:
+    """The group's blocks covering what object ``position`` holds (recurrent: the state block
+    at ``hit_end``, the tokens after which the state is)."""
+    if spec.kind is GroupKind.RECURRENT:
+        return (block_ids[hit_end // spec.block_size - 1],)
+    end = (position + 1) * chunk_size
+    lo = end - spec.stored_tokens(chunk_size)
+    return tuple(block_ids[lo // spec.block_size:end // spec.block_size])
