@@ -64,9 +64,10 @@ class FetchPath:
     def fetch_now(self, req: FetchRequest, fingerprint: bytes, wait_s: float) -> bool | None:
         """Called by the scheduler half of an engine of one rank (through its box), on vLLM's
         thread between steps, while the engine runs no request: fetch and verify ``req`` now and
-        wait, at most ``wait_s`` (the GIL released), for its verdict, which goes into the box as
-        any other.  ``fingerprint``: the scheduler's (what ``WorkerSide.bind`` takes from every step's
-        metadata; an engine's first request comes before any).
+        wait, at most ``wait_s``, for its verdict, which goes into the box as any other (device
+        digests are polled, host hashes waited for on the progress event; the GIL released
+        either way).  ``fingerprint``: the scheduler's (what ``WorkerSide.bind`` takes from
+        every step's metadata; an engine's first request comes before any).
 
         True: the verdict is in the box.  False: the fetch is under way and its verdict comes
         later, from a step's :meth:`take_meta`.  None: not started (no transfer engine yet);
