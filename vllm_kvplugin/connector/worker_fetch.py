@@ -89,20 +89,19 @@ class FetchPath:
             box.post(req.req_id, req.serial, 0)
             return True
         deadline = time.monotonic() + wait_s
-        while req.req_id in self._verifying:
+        while (v := self._verifying.get(req.req_id)) is not None:
             self._progress.clear()  # before looking: a completion from now on sets it
-            sums = self._verifying[req.req_id].sums
-            if sums is None or sums.done():
+            if v.sums is None or v.sums.done():
                 with torch.inference_mode():
                     self._settle()
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self._verifying[req.req_id].on_device:
+            if v.on_device:
                 time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
-                continue
-            self._progress.wait(left)  # (host hashes: their threads need the cores)
+            else:
+                self._progress.wait(left)  # (host hashes: their threads need the cores)
         return True
 
     def _fetch(self, req: FetchRequest) -> None:
