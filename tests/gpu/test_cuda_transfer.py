@@ -446,11 +446,19 @@ def test_a_load_without_device_memory_for_staging_is_scattered_from_the_host():
         r.view(torch.uint8).fill_(0xA5)
     want = [r.clone() for r in layers]
     reference_scatter(layout, _ref_views(want, layout.dtype), slots.cuda(), _ref_chunk(torch.cat(bufs).cuda()))
-    keep = torch.empty(1024, device="cuda")  # noqa: F841 (a small block: the kernel's table fits beside it)
+    with torch.cuda.stream(eng._kern):  # a small block in use where the kernel's table is allocated: it fits beside it
+        keep = torch.empty(1024, device="cuda")  # noqa: F841
     eng._pool.clear()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     hog = _fill_device_memory()
+    # and the free room of the allocator's cached segments on the engine's own stream (left by
+    # the tests before this one): staging-sized buffers there until none fits either
+    while True:
+        try:
+            hog.append(eng._alloc(C * layout.chunk_nbytes(T)))
+        except torch.OutOfMemoryError:
+            break
     try:
         with pytest.raises(torch.OutOfMemoryError):
             eng._acquire(C * layout.chunk_nbytes(T))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from vllm_kvplugin.transfer.cuda import _staged_runs
+from vllm_kvplugin.transfer.cuda_pieces import staged_runs
 
 
 def _reference(rows, pieces):
@@ -32,15 +32,15 @@ def _pieces(n, step):
 
 def test_a_whole_prefetch_in_order_is_one_launch_once_landed_and_one_per_piece_before():
     rows = list(range(32))
-    assert _staged_runs(rows, None) == [(0, 32, None)]
-    assert _staged_runs(rows, _pieces(32, 4)) == [(4 * k, 4 * k + 4, k) for k in range(8)]
+    assert staged_runs(rows, None) == [(0, 32, None)]
+    assert staged_runs(rows, _pieces(32, 4)) == [(4 * k, 4 * k + 4, k) for k in range(8)]
 
 
 def test_runs_stop_where_the_rows_do():
     rows = [0, 1, 2, 5, 6, 3, 4]
-    assert _staged_runs(rows, None) == [(0, 3, None), (3, 5, None), (5, 7, None)]
-    assert _staged_runs(rows, [(0, 2), (2, 7)]) == [(0, 2, 0), (2, 3, 1), (3, 5, 1), (5, 7, 1)]
-    assert _staged_runs([], None) == [] and _staged_runs([], [(0, 1)]) == []
+    assert staged_runs(rows, None) == [(0, 3, None), (3, 5, None), (5, 7, None)]
+    assert staged_runs(rows, [(0, 2), (2, 7)]) == [(0, 2, 0), (2, 3, 1), (3, 5, 1), (5, 7, 1)]
+    assert staged_runs([], None) == [] and staged_runs([], [(0, 1)]) == []
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -54,6 +54,6 @@ def test_random_rows_match_the_reference(seed):
             rnd.shuffle(rows)
     pieces = _pieces(n, rnd.randint(1, 9))
     for p in (pieces, None):
-        got = _staged_runs(rows, p)
+        got = staged_runs(rows, p)
         assert got == _reference(rows, p)
         assert [r for i, j, _ in got for r in rows[i:j]] == rows  # every row once, in order

@@ -75,8 +75,10 @@ import torch
 from vllm_kvplugin import ops
 from vllm_kvplugin.chunk.format import SEGMENT_BYTES, segment_count
 from vllm_kvplugin.layout.descriptor import KVLayout
-from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging, StoreTicket
-from vllm_kvplugin.transfer.paced import DmaJob, PacedCopies, Piece
+from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging
+from vllm_kvplugin.transfer.cuda_pieces import host_runs, launch_groups, staged_runs
+from vllm_kvplugin.transfer.cuda_stores import StorePath
+from vllm_kvplugin.transfer.paced import PacedCopies
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,6 @@ STORE_ZERO_COPY_MAX_BYTES = 4 << 20
 LOAD_ZERO_COPY_MAX_BYTES = 32 << 20
 #: grid cap of the zero-copy kernel: it runs at link speed, it need not hold every SM
 ZERO_COPY_MAX_CTAS = 64
-#: pipelining: at most this many gather/scatter launches per call
-MAX_GROUPS = 8
 #: a prefetch is copied in this many equal pieces (a scatter waits only for its rows' piece)
 PREFETCH_PIECES = 8
 #: a store's DMAs go in pieces of whole chunks of about this many bytes (at least one chunk)
@@ -98,59 +98,7 @@ DMA_WINDOW = 1
 STAGING_RESERVE_BYTES = 2 << 30
 
 
-def _groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]:
-    """[0, n) in pieces of 1, 1, 2, 4, ... (at most ``max_groups``, the last takes the rest)."""
-    bounds = [0]
-    while bounds[-1] < n and len(bounds) <= max_groups:
-        k = len(bounds) - 1
-        bounds.append(min(n, bounds[-1] + (1 if k == 0 else 1 << (k - 1))))
-    bounds[-1] = n
-    return list(zip(bounds, bounds[1:]))
-
-
-def _staged_runs(rows: Sequence[int], pieces: Sequence[tuple[int, int]] | None) -> list[tuple[int, int, int | None]]:
-    """A staged load's ``rows`` (its objects' rows of a prefetch, in load order) as maximal runs
-    ``[i, j)`` of consecutive rows within one piece of the copy, with the index of that piece in
-    ``pieces`` ((first row, end row) each).  ``pieces`` None: the whole copy has landed, so a run
-    stops only where the rows do, and names no piece to wait for."""
-    def piece_of(row: int) -> int | None:
-        return None if pieces is None else next(k for k, (a, b) in enumerate(pieces) if a <= row < b)
-
-    out: list[tuple[int, int, int | None]] = []
-    i = 0
-    while i < len(rows):
-        k = piece_of(rows[i])
-        j = i + 1
-        while j < len(rows) and rows[j] == rows[j - 1] + 1 and piece_of(rows[j]) == k:
-            j += 1
-        out.append((i, j, k))
-        i = j
-    return out
-
-
-def _runs(bufs: Sequence[torch.Tensor], a: int, b: int) -> list[tuple[int, int, torch.Tensor]]:
-    """Maximal runs of adjacent host buffers in ``bufs[a:b]`` as (start, end, one view)."""
-    out: list[tuple[int, int, torch.Tensor]] = []
-    i = a
-    while i < b:
-        first = bufs[i]
-        j = i + 1
-        nbytes = first.nbytes
-        storage = first.untyped_storage().data_ptr()
-        while (j < b and bufs[j].untyped_storage().data_ptr() == storage
-               and bufs[j].data_ptr() == first.data_ptr() + (j - i) * nbytes):
-            j += 1
-        if j - i == 1:
-            view = first
-        else:
-            view = torch.empty(0, dtype=first.dtype).set_(
-                first.untyped_storage(), first.storage_offset(), (j - i, *first.shape[1:]))
-        out.append((i, j, view))
-        i = j
-    return out
-
-
-class CudaTransfer:
+class CudaTransfer(StorePath):
     """Staged-DMA / zero-copy transfer engine for a KV cache on one CUDA device."""
 
     def __init__(self, device: torch.device | str | int, *,
@@ -327,14 +275,14 @@ class CudaTransfer:
         if self.kernel:
             torch.ops.kvplugin.dma_to_host(stage, list(bufs))
         else:
-            for i, j, host in _runs(bufs, 0, len(bufs)):
+            for i, j, host in host_runs(bufs, 0, len(bufs)):
                 host.copy_(stage[i:j], non_blocking=True)
 
     def _from_host(self, bufs: Sequence[torch.Tensor], stage: torch.Tensor) -> None:
         if self.kernel:
             torch.ops.kvplugin.dma_from_host(list(bufs), stage)
         else:
-            for i, j, host in _runs(bufs, 0, len(bufs)):
+            for i, j, host in host_runs(bufs, 0, len(bufs)):
                 stage[i:j].copy_(host, non_blocking=True)
 
     def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor, pre: Prefetch,
@@ -351,18 +299,13 @@ class CudaTransfer:
             # device digests, which waited for all of them -- one launch, nothing to wait for
             bounds = None if pre.event.query() else [(a, b) for a, b, _ in pre.pieces]
             with torch.cuda.stream(self._kern):
-                for i, j, k in _staged_runs(rows, bounds):
+                for i, j, k in staged_runs(rows, bounds):
                     if k is not None:
                         self._kern.wait_event(pre.pieces[k][2])
                     self._scatter(layout, layers, slots[i:j], [pre.stage[rows[i]:rows[i] + (j - i)]], 0)
                 done = self._event(self._kern)
             pre.staging.busy = done
             compute.wait_event(done)
-
-    def _note_gather(self, ev: torch.cuda.Event) -> None:
-        if len(self._pending_gathers) > 64:
-            self._pending_gathers = [e for e in self._pending_gathers if not e.query()]
-        self._pending_gathers.append(ev)
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -385,126 +328,6 @@ class CudaTransfer:
             done = self._event(self._dig)
         return DeviceDigests(segments, done, self.device)
 
-    # ------------------------------------------------------------------- stores
-    def store(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
-              bufs: Sequence[torch.Tensor]) -> StoreTicket | None:
-        if not bufs:
-            return None
-        slots = self._check(layout, slots, bufs)
-        C, T = slots.shape
-        nbytes = C * layout.chunk_nbytes(T)
-        with torch.cuda.device(self.device):
-            ready = self._event(torch.cuda.current_stream(self.device))
-            self._kern.wait_event(ready)
-            if nbytes <= self.store_zc_max:
-                done = self._store_zero_copy(layout, layers, slots, bufs)
-                return StoreTicket([done], nbytes, "zero-copy")
-            # A staged DMA moves whole chunks; a chunk with skipped tokens (-1) must keep
-            # the host bytes of those tokens, so the kernel writes it straight to the host.
-            partial = (slots < 0).any(dim=1)
-            events = []
-            if self.kernel and bool(partial.any()):
-                pidx = partial.nonzero().flatten().tolist()
-                fidx = (~partial).nonzero().flatten().tolist()
-                events.append(self._store_zero_copy(layout, layers, slots[pidx], [bufs[i] for i in pidx]))
-                slots, bufs = slots[fidx], [bufs[i] for i in fidx]
-            job = self._store_staged(layout, layers, slots, bufs) if bufs else None
-            digests = None
-            if job is not None and self.digests:
-                # hashed after the gathers; the last DMA waits for it, so the staging buffer is
-                # free for others only when the hash has read it too
-                rows = job.staging.tensor[:len(bufs) * layout.chunk_nbytes(T)].view(len(bufs), -1)
-                digests = self._digest(rows, [(0, len(bufs), job.pieces[-1].gathered)])
-                job.pieces[-1].gathered = digests.event
-                events.append(digests.event)
-        if job is not None:
-            self._paced.submit(job)
-        return StoreTicket(events, nbytes, "staged", job, digests, bufs if digests is not None else ())
-
-    def checksums(self, ticket: StoreTicket | None) -> dict[int, int]:
-        """Payload digests a done store computed on the device: host buffer address -> digest
-        (the buffers it wrote that are not here are the caller's to hash)."""
-        if ticket is None or ticket.digests is None:
-            return {}
-        return {b.data_ptr(): d for b, d in zip(ticket.digested, ticket.digests.result())}
-
-    def _store_zero_copy(self, layout, layers, slots, bufs) -> torch.cuda.Event:
-        """One kernel writes the chunks into the host buffers (after ``ready``)."""
-        with torch.cuda.stream(self._kern):
-            self._wait_host_reads(self._kern, bufs)
-            self._gather(layout, layers, slots, list(bufs), self.zc_max_ctas)
-            done = self._event(self._kern)
-        self._note_gather(done)
-        return done
-
-    def _store_staged(self, layout, layers, slots, bufs) -> DmaJob:
-        """Gather into staging in groups (issued now: the blocks are read before the next forward);
-        their DMAs queued as pieces for :meth:`pump`, each after its group's gather."""
-        C, T = slots.shape
-        nbytes = C * layout.chunk_nbytes(T)
-        staging = self._acquire(nbytes)
-        if staging.busy is not None:
-            self._kern.wait_event(staging.busy)
-        stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
-        if not self.kernel:  # torch path: skipped tokens keep their host bytes through staging
-            with torch.cuda.stream(self._kern):
-                for i in (slots < 0).any(dim=1).nonzero().flatten().tolist():
-                    stage[i:i + 1].copy_(bufs[i], non_blocking=True)
-        job = DmaJob(staging)
-        per_piece = max(1, self.dma_piece_bytes // layout.chunk_nbytes(T))
-        gathered = None
-        for a, b in _groups(C):
-            with torch.cuda.stream(self._kern):
-                self._gather(layout, layers, slots[a:b], [stage[a:b]], 0)
-                gathered = self._event(self._kern)
-            for i in range(a, b, per_piece):
-                j = min(b, i + per_piece)
-                reads = [ev for ev in (self._host_reads.get(t.data_ptr()) for t in bufs[i:j]) if ev is not None]
-                job.pieces.append(Piece(gathered, reads, stage[i:j], list(bufs[i:j])))
-        assert gathered is not None
-        self._note_gather(gathered)
-        staging.pacing = job
-        return job
-
-    def pump(self) -> None:
-        """Issue more paced store DMAs (``transfer/paced.py``); any thread, returns at once."""
-        self._paced.pump()
-
-    @staticmethod
-    def _issued(job: DmaJob) -> None:
-        """A store's last piece is issued: its staging buffer may be handed out again."""
-        job.staging.busy = job.event
-        job.staging.pacing = None
-
-    def done(self, ticket: StoreTicket | None) -> bool:
-        if ticket is None:
-            return True
-        self.pump()
-        job = ticket.job
-        return (job is None or (job.event is not None and job.event.query())) and all(e.query() for e in ticket.events)
-
-    def wait(self, ticket: StoreTicket | None) -> None:
-        """Until the ticket's bytes are in the host buffers; raises if its DMAs could not be issued."""
-        if ticket is None:
-            return
-        job = ticket.job
-        if job is not None:
-            self._paced.drain(job)
-            job.event.synchronize()
-            if job.error is not None:
-                raise RuntimeError(f"vllm-kvplugin transfer: a store's DMA failed: {job.error}") from job.error
-        for e in ticket.events:
-            e.synchronize()
-
-    def fence(self) -> None:
-        """The compute stream waits until every issued store has read its blocks."""
-        if not self._pending_gathers:
-            return
-        with torch.cuda.device(self.device):
-            compute = torch.cuda.current_stream(self.device)
-            for ev in self._pending_gathers:
-                compute.wait_event(ev)
-        self._pending_gathers = []
 
     # ----------------------------------------------------------------- warm-up
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
@@ -618,7 +441,7 @@ class CudaTransfer:
                 if staging.busy is not None:
                     self._h2d.wait_event(staging.busy)
                 stage = staging.tensor[:nbytes].view(layout.dtype).view(C, *layout.chunk_shape(T))
-                groups = _groups(C)
+                groups = launch_groups(C)
                 copied = []
                 with torch.cuda.stream(self._h2d):  # all DMAs first: the copy engine never waits
                     for a, b in groups:
