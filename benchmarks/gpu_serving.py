@@ -27,8 +27,8 @@ stages and timeline (every step, forward, fetch, hash, copy) are kept in the res
 
 Throughput = (prompt + generated tokens) / wall seconds of the batch.  A mode's ratio to the
 baseline is taken per round (batches seconds apart) and the median over rounds is reported,
-with every round's; each batch also records the engine process's CPU seconds (and the cache
-server's, for the server mode).  Results: JSON with the machine and versions.
+with every round's; each batch also records the engine process's CPU seconds, split by thread
+name (and the cache server's, for the server mode).  Results: JSON with the machine and versions.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import sys
@@ -70,6 +71,33 @@ def _batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 def _cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
+
+
+def _threads_cpu_s() -> dict[str, float]:
+    """user + system seconds so far of this process's live threads, by name: the Python thread's
+    name where there is one (a pool's threads together: ``kvplugin-digest-wait_0`` counts as
+    ``kvplugin-digest-wait``), the kernel's otherwise (torch's and CUDA's own threads)."""
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "main"
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        name = re.sub(r"_\d+$", "", names.get(int(task.name), comm))
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _by_thread(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per thread name between two :func:`_threads_cpu_s` (threads that ended meanwhile
+    are missing), largest first, those under 10 ms left out."""
+    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.01}
 
 
 def prompts_of(case: str, rnd: int, streams: int, prompt_tokens: int, chunk: int) -> list[list[int]]:
@@ -109,9 +137,10 @@ def run_resident(mode: str, args) -> None:
         llm.reset_prefix_cache()  # a reuse_80 hit can only come from the connector
         if timed:
             timers.reset()
-        c0 = _cpu_s()
+        c0, t0 = _cpu_s(), _threads_cpu_s()
         out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk), args.max_tokens)
         out["cpu_s"] = round(_cpu_s() - c0, 3)
+        out["cpu_s_by_thread"] = _by_thread(t0, _threads_cpu_s())
         if timed:
             out["stages"] = timers.collect()
         return out
@@ -184,6 +213,12 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
             row[f"{mode}_tokens_per_s"] = round(statistics.median(b["tokens_per_s"] for b in bs), 1)
             row[f"{mode}_cached_tokens"] = bs[-1]["cached_tokens"]
             row[f"{mode}_cpu_s_per_batch"] = round(statistics.median(b["cpu_s"] for b in bs), 2)
+            threads = {name for b in bs for name in b.get("cpu_s_by_thread", {})}
+            if threads:
+                per = {name: round(statistics.median(b.get("cpu_s_by_thread", {}).get(name, 0.0) for b in bs), 2)
+                       for name in threads}
+                row[f"{mode}_cpu_s_per_batch_by_thread"] = {k: v for k, v in sorted(per.items(), key=lambda kv: -kv[1])
+                                                            if v >= 0.05}
             if any("server_cpu_s" in b for b in bs):
                 row[f"{mode}_server_cpu_s_per_batch"] = round(statistics.median(b["server_cpu_s"] for b in bs), 2)
             if base is not None and mode != "baseline":
