@@ -239,9 +239,10 @@ def test_a_hit_whose_device_digests_cannot_start_is_recomputed_and_kept(qwen3_mo
     want, _, _ = baseline
     p, want_p = prompts["checksum"][0], want["checksum"][0]
 
-    class Staged:  # what a CUDA prefetch tells the worker: how many leading objects it holds
+    class Staged:  # what a CUDA prefetch tells the worker: how many leading objects it holds, their bytes
         def __init__(self, bufs):
             self.rows = len(bufs)
+            self.nbytes = sum(b.nbytes for b in bufs)
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, 32, {"chunk_size": CHUNK}, budget=CHUNK)

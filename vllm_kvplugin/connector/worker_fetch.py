@@ -86,6 +86,7 @@ class FetchPath:
         try:
             with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
                 self._fetch(req)
+            prefetched = sum(pre.nbytes for pre, _ in self._prefetched.get(req.req_id, {}).values())
         except Exception:  # never into vLLM's scheduler: the hit is computed, nothing known bad
             logger.exception("vllm-kvplugin: %s: fetching its hit failed", req.req_id)
             counters.WORKER.failure("error")
@@ -96,7 +97,7 @@ class FetchPath:
             box.post(req.req_id, req.serial, 0)
             return True
         deadline = time.monotonic() + wait_s
-        collect = sum(pre.nbytes for pre, _ in self._prefetched.get(req.req_id, {}).values()) >= GC_IN_FETCH_MIN_BYTES
+        collect = prefetched >= GC_IN_FETCH_MIN_BYTES
         while (v := self._verifying.get(req.req_id)) is not None:
             self._progress.clear()  # before looking: a completion from now on sets it
             if v.sums is None or v.sums.done():
