@@ -73,8 +73,9 @@ class FetchPath:
         wait, at most ``wait_s``, for its verdict, which goes into the box as any other (device
         digests are polled, host hashes waited for on the progress event; the GIL released
         either way; a long copy verified on the device is a moment to collect Python's young
-        generations, see :data:`GC_IN_FETCH_MIN_BYTES`).  ``fingerprint``: the scheduler's (what ``WorkerSide.bind`` takes from
-        every step's metadata; an engine's first request comes before any).
+        generations, see :data:`GC_IN_FETCH_MIN_BYTES`).  ``fingerprint``: the scheduler's
+        (what ``WorkerSide.bind`` takes from every step's metadata; an engine's first request
+        comes before any).
 
         True: the verdict is in the box.  False: the fetch is under way and its verdict comes
         later, from a step's :meth:`take_meta`.  None: not started (no transfer engine yet);
