@@ -17,6 +17,9 @@ prompts in the same order:
   default set; ``transfer/paced.py``);
 * ``kvplugin-held`` - ``kvplugin`` whose lone hits are held back a step for their verdict, as
   every hit was before ``SchedulerSide._fetch_here`` (not in the default set);
+* ``kvplugin-gc-late`` - ``kvplugin`` whose lone fetches leave Python's collections where the
+  allocation counts put them, as before ``worker_fetch.GC_IN_FETCH_MIN_BYTES`` (not in the
+  default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -106,6 +109,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-held":  # every hit held back a step for its verdict, a lone one too
         from vllm_kvplugin.connector.scheduler import SchedulerSide
         SchedulerSide._fetch_here = lambda self, req: None
+    if mode == "kvplugin-gc-late":  # no collection in a lone fetch's wait
+        from vllm_kvplugin.connector import worker_fetch
+        worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62
 
 
 def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):
