@@ -98,7 +98,7 @@ class FetchPath:
             box.post(req.req_id, req.serial, 0)
             return True
         deadline = time.monotonic() + wait_s
-        collect = prefetched >= GC_IN_FETCH_MIN_BYTES
+        collect = prefetched >= GC_IN_FETCH_MIN_BYTES and gc.isenabled()  # (a process that turned it off meant it)
         while (v := self._verifying.get(req.req_id)) is not None:
             self._progress.clear()  # before looking: a completion from now on sets it
             if v.sums is None or v.sums.done():
