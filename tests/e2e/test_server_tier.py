@@ -367,7 +367,8 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
     a step later.  With the grace long enough for any answer here the repeat's fetch is the
     first step's; with none, the old behaviour (held back a step at least) -- so the grace is
     what makes the difference.  Full hits and right outputs on poisoned KV either way."""
-    from test_integrity import CHUNK, P, _watch_verdicts
+    from test_integrity import CHUNK, P
+    from test_verdict_timing import _watch_verdicts
 
     from vllm_kvplugin.chunk.format import payload_checksum
     from vllm_kvplugin.connector import scheduler as smod
