@@ -13,7 +13,6 @@ import torch
 MAX_GROUPS = 8
 
 
-
 def launch_groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]:
     """[0, n) in pieces of 1, 1, 2, 4, ... (at most ``max_groups``, the last takes the rest)."""
     bounds = [0]
