@@ -80,17 +80,24 @@ def _threads_cpu_s() -> dict[str, float]:
     import threading
     names = {t.native_id: t.name for t in threading.enumerate()}
     names[threading.main_thread().native_id] = "main"
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
+        stat = _stat(task / "stat")
+        if stat is None:
             continue  # the thread ended
-        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-        name = re.sub(r"_\d+$", "", names.get(int(task.name), comm))
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        name = re.sub(r"_\d+$", "", names.get(int(task.name), stat[0]))
+        out[name] = out.get(name, 0.0) + stat[1]
     return out
+
+
+def _stat(path: Path) -> tuple[str, float] | None:
+    """(command name, user + system seconds) from a Linux ``/proc/.../stat`` file; None if gone."""
+    try:
+        text = path.read_text()
+        fields = text.rsplit(")", 1)[1].split()
+        return text[text.index("(") + 1:text.rindex(")")], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _by_thread(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -150,11 +157,8 @@ def run_resident(mode: str, args) -> None:
 
 def _proc_cpu_s(pid: int) -> float | None:
     """user + system seconds of a process so far (Linux ``/proc``)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
+    stat = _stat(Path(f"/proc/{pid}/stat"))
+    return None if stat is None else stat[1]
 
 
 def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial: Path | None) -> dict:
