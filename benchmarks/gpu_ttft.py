@@ -20,6 +20,8 @@ prompts in the same order:
 * ``kvplugin-gc-late`` - ``kvplugin`` whose lone fetches leave Python's collections where the
   allocation counts put them, as before ``worker_fetch.GC_IN_FETCH_MIN_BYTES`` (not in the
   default set);
+* ``kvplugin-unsplit`` - ``kvplugin`` whose lone lookups key the whole prompt before the first
+  read, as before ``scheduler_lone.FIRST_PART_CHUNKS`` (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -108,10 +110,13 @@ def mode_knobs(mode: str) -> None:
         cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])
     if mode == "kvplugin-held":  # every hit held back a step for its verdict, a lone one too
         from vllm_kvplugin.connector.scheduler import SchedulerSide
-        SchedulerSide._fetch_here = lambda self, req: None
+        SchedulerSide._fetch_here = lambda self, req, more=None: None
     if mode == "kvplugin-gc-late":  # no collection in a lone fetch's wait
         from vllm_kvplugin.connector import worker_fetch
         worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62
+    if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
+        from vllm_kvplugin.connector import scheduler_lone
+        scheduler_lone.FIRST_PART_CHUNKS = 0
 
 
 def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):

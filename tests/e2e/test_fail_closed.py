@@ -230,12 +230,15 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
             shutdown(llm)
 
 
+@pytest.mark.parametrize("failing", [1, 2])
 def test_a_hit_whose_device_digests_cannot_start_is_recomputed_and_kept(qwen3_model, baseline, prompts,
-                                                                        monkeypatch):
+                                                                        monkeypatch, failing):
     """On a GPU a hit's prefetched objects are verified by digests on the device; should those
     not start (mocked here: the CPU engine prefetches nothing), the objects get no verdict: the
-    hit is recomputed, counted as ``verify_error``, the objects are not dropped (nothing is
-    known to be wrong with them), and the next run hits in full on poisoned KV."""
+    hit ends before them (this lone repeat's 8 chunks are sent in two prefetches of 4, and the
+    digests of the ``failing`` one do not start: no hit, or the first 4 chunks), counted as
+    ``verify_error``, the objects are not dropped (nothing is known to be wrong with them), and
+    the next run hits in full on poisoned KV."""
     want, _, _ = baseline
     p, want_p = prompts["checksum"][0], want["checksum"][0]
 
@@ -253,7 +256,7 @@ def test_a_hit_whose_device_digests_cannot_start_is_recomputed_and_kept(qwen3_mo
 
             def digest_fails_once(pre):
                 started.append(pre.rows)
-                if len(started) == 1:
+                if len(started) == failing:
                     raise RuntimeError("injected: no device memory for the digests")
                 return None  # the host verifies, as on an engine without device digests
             monkeypatch.setattr(eng, "prefetch", lambda layout, bufs: Staged(bufs))
@@ -261,12 +264,12 @@ def test_a_hit_whose_device_digests_cannot_start_is_recomputed_and_kept(qwen3_mo
             probe.poison_all_blocks()
             r = generate(llm, [p])[0]
             s = vllm_kvplugin.stats()
-            assert started == [8]
-            assert r.token_ids == want_p and r.num_cached_tokens == 0
+            assert started == [4, 4]
+            assert r.token_ids == want_p and r.num_cached_tokens == (failing - 1) * 4 * CHUNK
             assert s["load_failures"] == {"verify_error": 1} and s["dropped_objects"] == 0
             probe.poison_all_blocks(seed=1)
             r = generate(llm, [p])[0]
-            assert started == [8, 8]
+            assert started == [4, 4, 4, 4]
             assert r.token_ids == want_p and r.num_cached_tokens == 8 * CHUNK
             assert vllm_kvplugin.stats()["load_failures"] == {"verify_error": 1}
         finally:

@@ -35,14 +35,15 @@ P2 = P + prompt(2 * CHUNK + 5, seed=32)
 BAD = 3  # the chunk whose bytes are wrong during one load
 
 
-def _local_flip(probe, tokens):
-    """A function flipping one byte of chunk BAD's object in the local tier (twice: restored)."""
+def _local_flip(probe, tokens, bad=None):
+    """A function flipping one byte of chunk ``bad``'s (default BAD's) object in the local tier
+    (twice: restored)."""
     import torch
 
     from vllm_kvplugin.chunk.format import ChunkHeader
 
     ws = probe.worker
-    key = chunk_keys(ws.fingerprint, tokens, CHUNK)[BAD]
+    key = chunk_keys(ws.fingerprint, tokens, CHUNK)[BAD if bad is None else bad]
     slot = next(s for s, h in enumerate(ws.pool.headers[0]) if h is not None and ChunkHeader.unpack(h).key == key)
 
     def flip():
@@ -106,12 +107,12 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch
             flip, handle = _local_flip(probe, P) if tier == "local" else _server_flip(probe, P, srv.address)
             orig, calls = wmod.WorkerSide._fetch, []
 
-            def fetch_once_wrong(ws, req):  # wrong bytes while exactly one fetch reads and verifies them
+            def fetch_once_wrong(ws, req, more=None):  # wrong bytes while exactly one fetch reads and verifies them
                 calls.append(req.req_id)  # (with the step's metadata, or from the lookup: _fetch_here)
                 if len(calls) == 1:
                     flip()
                 try:
-                    return orig(ws, req)
+                    return orig(ws, req, more)
                 finally:
                     if len(calls) == 1:
                         flip()

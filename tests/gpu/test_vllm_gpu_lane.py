@@ -232,6 +232,60 @@ def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypat
             shutdown(llm)
 
 
+@pytest.mark.parametrize("bad", [6, 1])
+def test_a_lone_split_hit_is_sent_in_two_prefetches(model, bad, monkeypatch):
+    """A lone repeat of 8 chunks is looked up in two parts (``scheduler_lone.FIRST_PART_CHUNKS``):
+    two prefetches of 4 objects each, both verified on the device (no host hash), one verdict
+    over both in order, and one load scattering from both.  A byte flipped in chunk ``bad`` (6:
+    the second prefetch, 1: the first) ends the hit before it; the output is right on poisoned
+    KV, and the next run, stored again, hits in full from two prefetches again."""
+    import test_integrity
+    from test_integrity import _local_flip
+
+    from vllm_kvplugin.connector import worker_fetch as fmod
+    from vllm_kvplugin.transfer.cuda import CudaTransfer
+
+    monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
+    p = prompt(8 * CHUNK + 10, seed=57)
+    kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
+    base = engine(model, BLOCK, None, **kw)
+    try:
+        want = generate(base, [p])[0].token_ids
+    finally:
+        shutdown(base)
+    counters.STATS.reset()
+    hashed_on_host, rows = [], []
+    orig, prefetch = fmod.start_payload_checksums, CudaTransfer.prefetch
+    monkeypatch.setattr(fmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
+
+    def counted(eng, layout, bufs):
+        pre = prefetch(eng, layout, bufs)
+        rows.append(pre.rows if pre is not None else 0)
+        return pre
+    monkeypatch.setattr(CudaTransfer, "prefetch", counted)
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30}, **kw)
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+            flip, _ = _local_flip(probe, p, bad)
+            flip()
+            for seed, hit in ((1, bad), (2, 8)):
+                probe.poison_all_blocks(seed=seed)
+                rows.clear()
+                r = generate(llm, [p])[0]
+                assert rows[:2] == [4, 4], rows
+                assert r.token_ids == want and r.num_cached_tokens == hit * CHUNK
+                assert probe.worker.finisher.drain(30)
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {"checksum": 1} and s["dropped_objects"] == 1
+            assert s["lone_fetches"] == 2 and s["split_fetches"] == 2 and hashed_on_host == []
+            assert [t for _, t in probe.loads] == [bad * CHUNK, 8 * CHUNK]  # both targets poisoned first
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+        finally:
+            shutdown(llm)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):

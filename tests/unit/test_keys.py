@@ -34,11 +34,17 @@ def test_key_names_the_whole_prefix():
     assert c[:2] == a[:2] and all(x != y for x, y in zip(a[2:], c[2:]))
 
 
-def test_incremental_equals_full():
-    full = chunk_keys(FP, TOKENS, 64)
-    head = chunk_keys(FP, TOKENS[:256], 64)
-    tail = chunk_keys(FP, TOKENS, 64, start_key=head[-1], start_chunk=4)
-    assert head + tail == full
+@pytest.mark.parametrize("as_array", [False, True])
+def test_incremental_equals_full(as_array):
+    """An extension reads only the ids from its first chunk on (a lone request's lookup keys its
+    first chunks, then the rest): the same keys, multimodal items across the cut included."""
+    tokens = np.asarray(TOKENS, dtype=np.int32) if as_array else TOKENS
+    for extras in (KeyExtras(), KeyExtras(mm=(MMItem("img-hash", offset=250, length=20),))):
+        full = chunk_keys(FP, tokens, 64, extras)
+        head = chunk_keys(FP, tokens[:256], 64, extras)
+        tail = chunk_keys(FP, tokens, 64, extras, start_key=head[-1], start_chunk=4)
+        assert head + tail == full and len(tail) == len(full) - 4 == 6
+    assert chunk_keys(FP, TOKENS[:300], 64, start_key=full[-1], start_chunk=10) == []  # nothing past the ids
 
 
 def test_extras_and_fingerprint_change_keys():

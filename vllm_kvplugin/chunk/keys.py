@@ -106,13 +106,15 @@ def chunk_keys(fingerprint: bytes, token_ids: Sequence[int] | np.ndarray, chunk_
     """Keys of the full chunks of ``token_ids``, from ``start_chunk`` on.
 
     ``start_key`` is the key of chunk ``start_chunk - 1`` when extending an
-    earlier call (incremental hashing of a growing sequence).
+    earlier call (incremental hashing of a growing sequence); only the ids from
+    chunk ``start_chunk`` on are read then (the earlier call read the others).
     """
     if start_chunk > 0 and start_key is None:
         raise ValueError("start_key is required when start_chunk > 0")
-    tokens = _int32_tokens(token_ids)
-    n_full = len(tokens) // chunk_size
-    raw = tokens[: n_full * chunk_size].astype("<i4", copy=False).tobytes()
+    base = start_chunk * chunk_size
+    tokens = _int32_tokens(token_ids[base:] if base else token_ids)
+    n_full = (base + len(tokens)) // chunk_size
+    raw = tokens[: max(0, n_full * chunk_size - base)].astype("<i4", copy=False).tobytes()
     step = chunk_size * 4
     prev = start_key if start_chunk > 0 else root_key(fingerprint, chunk_size, extras, namespace)
     keys = []
@@ -124,7 +126,7 @@ def chunk_keys(fingerprint: bytes, token_ids: Sequence[int] | np.ndarray, chunk_
         for m in items:
             h.update(_field(m.identifier))
             h.update(_ITEM_POS.pack(m.offset - lo, m.length))
-        h.update(raw[i * step:(i + 1) * step])
+        h.update(raw[(i - start_chunk) * step:(i - start_chunk + 1) * step])
         prev = h.digest()
         keys.append(prev)
     return keys

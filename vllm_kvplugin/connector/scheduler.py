@@ -21,8 +21,8 @@ A hit is claimed only once every rank verified its bytes (DESIGN.md rule 7):
 
 A request alone in an engine of one rank that runs both halves in one process goes
 through the same three in one call: the lookup has the worker half fetch and verify
-at once and waits for the verdict (``_fetch_here``), so the hit is claimed in the
-step that looked it up.
+at once and waits for the verdict (``connector/scheduler_lone.py``), so the hit is
+claimed in the step that looked it up.
 
 So no step ever computes over blocks a failed load did not write.  Should a load
 fail anyway after its claim (a copy error), vLLM recomputes its blocks, the
@@ -54,6 +54,7 @@ from vllm_kvplugin.connector.metadata import (
     LoadRequest,
     StoreRequest,
 )
+from vllm_kvplugin.connector.scheduler_lone import LoneFetch
 from vllm_kvplugin.connector.scheduler_stores import StoreDecisions
 from vllm_kvplugin.connector.tracker import Fetch, RequestTracker, object_blocks
 from vllm_kvplugin.connector.verdicts import open_box
@@ -74,14 +75,8 @@ _ASKING = object()
 #: H200 an idle engine's step took 2.4 ms, a busy one's tens of milliseconds).
 LOOKUP_GRACE_S = 0.002
 
-#: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
-#: verdict (``SchedulerSide._fetch_here``); a 64k-token hit of an 8B model (9.7 GB) is copied and
-#: verified in ~0.18 s on an H200.  A longer one is held back and claimed in a later step, as with
-#: other requests running.  A request arriving meanwhile waits at most this.
-LONE_FETCH_WAIT_S = 0.25
 
-
-class SchedulerSide(StoreDecisions):
+class SchedulerSide(StoreDecisions, LoneFetch):
     """The scheduler half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: KVPluginConfig):
@@ -136,9 +131,11 @@ class SchedulerSide(StoreDecisions):
         ids = _common.request_prompt_ids(request)
         if ids is None:
             return None
-        keys = chunk_keys(self.fingerprint, ids, self.chunk_size, _common.request_extras(request),
-                          namespace=self.namespace)
-        tr = RequestTracker(request.request_id, len(ids), keys)
+        extras = _common.request_extras(request)
+        first = self._first_keys(request, ids)  # a lone request's lookup may start on its first chunks
+        keys = chunk_keys(self.fingerprint, ids[:first * self.chunk_size] if first else ids, self.chunk_size,
+                          extras, namespace=self.namespace)
+        tr = RequestTracker(request.request_id, len(ids), keys, unkeyed=(ids, extras) if first else None)
         self._reqs[request.request_id] = tr
         return tr
 
@@ -176,17 +173,20 @@ class SchedulerSide(StoreDecisions):
             return self._claim(tr, f, num_computed_tokens)
         if self._being_stored(tr, now):
             return None, False  # this engine is storing chunks of the prompt: they land in a moment
-        fetch = self._lookup(tr, num_computed_tokens)
-        if fetch is _ASKING:
-            return None, False  # the server's answer comes on its own thread: ask again next step
+        fetch, rest = self._first_part(tr, num_computed_tokens) if tr.unkeyed is not None else (None, None)
         if fetch is None:
-            return 0, False
+            fetch = self._lookup(tr, num_computed_tokens)
+            if fetch is _ASKING:
+                return None, False  # the server's answer comes on its own thread: ask again next step
+            if fetch is None:
+                return 0, False
         self._fetches += 1
         tr.fetch, fetch.serial = fetch, self._fetches
-        req = FetchRequest(tr.req_id, fetch.jobs, fetch.serial)
-        here = self._fetch_here(req)
+        here = self._fetch_here(FetchRequest(tr.req_id, fetch.jobs, fetch.serial), rest)
+        if rest is not None:
+            rest()  # (the worker asked for it once the first part was on its way, unless it gave up before)
         if here is None:
-            self._pending_fetches.append(req)  # the workers fetch it in this step
+            self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs, fetch.serial))  # fetched in this step
         elif here:
             self._take_verdicts()
             if fetch.good >= 0:
@@ -205,30 +205,6 @@ class SchedulerSide(StoreDecisions):
             self._drop_fetch(tr)
             return 0, False
         return tr.plan.num_tokens, False
-
-    def _fetch_here(self, req: FetchRequest) -> bool | None:
-        """With no other request known to this connector (none running, none held back: a wait
-        holds up nobody but requests that arrived along with this one, which wait at most
-        :data:`LONE_FETCH_WAIT_S`) in an engine of one rank whose worker half is in this process:
-        that half fetches and verifies ``req`` now, on this thread, and the verdict is waited
-        for up to :data:`LONE_FETCH_WAIT_S` -- the hit is then claimed in this step instead of
-        the next (a step boundary and the verdict's hand-off between threads saved).
-
-        True: the verdict is in the box.  False: the fetch is under way, its verdict comes
-        later.  None: not done here (the workers fetch it with this step's metadata, as with
-        other requests running: a wait here would stall their steps)."""
-        if self.world_size != 1 or self._started or len(self._reqs) > 1:
-            return None  # (requests looked up and not finished: running, or waiting as this one)
-        fetch_now = self._verdicts.fetcher()
-        if fetch_now is None:
-            return None
-        t0 = time.monotonic()
-        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S)
-        if done is not None:
-            counters.SCHEDULER.add(lone_fetches=1, lone_fetch_wait_s=time.monotonic() - t0)
-            # an earlier fetch of the request, given up this step, was forgotten there first
-            self._forget = [rid for rid in self._forget if rid != req.req_id]
-        return done
 
     def _wait_for_a_lookup(self) -> None:
         """In a step that scheduled no tokens: wait, up to :data:`IDLE_WAIT_S` with the GIL
@@ -287,16 +263,20 @@ class SchedulerSide(StoreDecisions):
                     self._release(found.lease)
         if plan is None:
             return None
-        pins, jobs = [], []
-        for o in plan.objects:
-            key = tr.keys[o.position]
-            if lease:
-                jobs.append(FetchJob(key, o.position, o.group, lease=lease))
-            else:
-                slot = self.local[o.group].pin([key])[0]
-                pins.append((o.group, slot))
-                jobs.append(FetchJob(key, o.position, o.group, slot=slot))
+        pins: list[tuple[int, int]] = []
+        jobs = ([FetchJob(tr.keys[o.position], o.position, o.group, lease=lease) for o in plan.objects] if lease
+                else self._pinned_jobs(tr, plan.objects, pins))
         return Fetch(plan, jobs, lease, pins, issued=time.monotonic())
+
+    def _pinned_jobs(self, tr: RequestTracker, objects, pins: list[tuple[int, int]]) -> list[FetchJob]:
+        """Fetch jobs of ``objects`` from the local tier, each pinned there (added to ``pins``)."""
+        jobs = []
+        for o in objects:
+            key = tr.keys[o.position]
+            slot = self.local[o.group].pin([key])[0]
+            pins.append((o.group, slot))
+            jobs.append(FetchJob(key, o.position, o.group, slot=slot))
+        return jobs
 
     def _limit(self, tr: RequestTracker) -> int:
         """The largest hit, in chunks, a prompt may have (one less with a drafter group)."""

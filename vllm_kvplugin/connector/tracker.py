@@ -45,6 +45,7 @@ class RequestTracker:
     looked_up: bool = False
     waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
     server_lookup: Any = None  # the server lookup in flight (a Future), with the first chunk it asked from
+    unkeyed: Any = None  # (ids, key extras) while only the first chunks are keyed (a lone request's lookup)
 
 
 def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,

@@ -18,6 +18,7 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from vllm_kvplugin.chunk.checksums import (
     start_payload_checksums,
 )
 from vllm_kvplugin.chunk.format import ChunkError, check_chunk
-from vllm_kvplugin.connector.metadata import IDLE_WAIT_S, FetchRequest
+from vllm_kvplugin.connector.metadata import IDLE_WAIT_S, FetchJob, FetchRequest
 from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.tiers.local_cpu import bytes_of
 from vllm_kvplugin.tiers.mp import TierTrouble
@@ -43,6 +44,18 @@ logger = logging.getLogger(__name__)
 #: generations while it waits for the device (a collection takes up to ~1.5 ms on the H200's host;
 #: otherwise the allocation counts trigger one later, on the claimed step's critical path)
 GC_IN_FETCH_MIN_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Sent:
+    """Objects of one group that a prefetch sent toward the device: ``jobs`` the fetch's job
+    indices in row order, ``rows`` chunk position -> row.  A fetch may have several per group
+    (a lone request's hit is sent in two parts, :meth:`FetchPath.fetch_now`)."""
+
+    group: int
+    pre: Any
+    jobs: list[int]
+    rows: dict[int, int]
 
 
 @dataclass
@@ -64,10 +77,11 @@ class FetchPath:
     """Fetches and their verdicts for the worker half (a mixin of ``WorkerSide``; see the
     module's docstring).  Its state, made by ``WorkerSide.__init__``: ``_verifying`` (fetches
     whose verdict is still due), ``_staged`` (verified objects per request), ``_prefetched``
-    (per request and group, what is on the device) and ``_progress`` (set when hashes or a
+    (per request, what is on the device: :class:`Sent`) and ``_progress`` (set when hashes or a
     store are done)."""
 
-    def fetch_now(self, req: FetchRequest, fingerprint: bytes, wait_s: float) -> bool | None:
+    def fetch_now(self, req: FetchRequest, fingerprint: bytes, wait_s: float,
+                  more: Callable[[], list[FetchJob]] | None = None) -> bool | None:
         """Called by the scheduler half of an engine of one rank (through its box), on vLLM's
         thread between steps, while the engine runs no request: fetch and verify ``req`` now and
         wait, at most ``wait_s``, for its verdict, which goes into the box as any other (device
@@ -76,6 +90,10 @@ class FetchPath:
         generations, see :data:`GC_IN_FETCH_MIN_BYTES`).  ``fingerprint``: the scheduler's
         (what ``WorkerSide.bind`` takes from every step's metadata; an engine's first request
         comes before any).
+
+        ``more``: the scheduler's lookup of the hit's other objects, called once ``req``'s are on
+        their way (so the link copies those while the rest are keyed, planned and pinned); what it
+        returns is fetched after them, as one fetch whose verdict covers both parts in order.
 
         True: the verdict is in the box.  False: the fetch is under way and its verdict comes
         later, from a step's :meth:`take_meta`.  None: not started (no transfer engine yet);
@@ -86,8 +104,8 @@ class FetchPath:
         self._forget(req.req_id)  # an earlier fetch of the request given up this step
         try:
             with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
-                self._fetch(req)
-            prefetched = sum(pre.nbytes for pre, _ in self._prefetched.get(req.req_id, {}).values())
+                self._fetch(req, more)
+            prefetched = sum(s.pre.nbytes for s in self._prefetched.get(req.req_id, ()))
         except Exception:  # never into vLLM's scheduler: the hit is computed, nothing known bad
             logger.exception("vllm-kvplugin: %s: fetching its hit failed", req.req_id)
             counters.WORKER.failure("error")
@@ -117,19 +135,13 @@ class FetchPath:
                 self._progress.wait(left)  # (host hashes: their threads need the cores)
         return True
 
-    def _fetch(self, req: FetchRequest) -> None:
+    def _fetch(self, req: FetchRequest, more: Callable[[], list[FetchJob]] | None = None) -> None:
         """Read every object of a held-back hit, send it toward the device and start verifying
         it; the verdict is given by :meth:`_settle` once the hashes are in (the step does not
-        wait for them: the engine goes on with its other requests meanwhile)."""
-        jobs = req.jobs
-        errors: list[ChunkError | TierTrouble | None] = [None] * len(jobs)
-        views: list[tuple[bytes, torch.Tensor] | None] = [None] * len(jobs)
-        # errors are kept without their tracebacks: a traceback holds this frame, whose views
-        # would keep an old server pool mapped until the garbage collector ran
-        try:
-            self._resolve_remote(jobs, views)
-        except TierTrouble as e:
-            errors = [e.with_traceback(None) if j.lease else None for j in jobs]
+        wait for them: the engine goes on with its other requests meanwhile).  ``more``: see
+        :meth:`fetch_now` (its jobs are read and sent after ``req``'s)."""
+        jobs = list(req.jobs)
+        errors: list[ChunkError | TierTrouble | None] = []
         # the objects' bytes, where their sizes are right.  Those sent toward the device are
         # verified there, over the bytes that landed (the engine's ``digest``); the host hashes
         # the rest (all of them on an engine without device digests) while the link moves them
@@ -143,36 +155,57 @@ class FetchPath:
         device_parts = 0  # of ``parts``, computed on the device
         verify = self.cfg.verify_checksums
         host_first = verify and not self.engine.digests
-        for n, job in enumerate(jobs):
-            if errors[n] is None:
-                try:
-                    found[n] = self._object(job, views[n])
-                except ChunkError as e:
-                    errors[n] = e.with_traceback(None)
-            if host_first and not order and len(found) == MAX_THREADS:
-                first = [data for _, data, _ in found.values()]
-                if sum(d.nbytes for d in first) >= PARALLEL_MIN_BYTES:  # enough for the threads
-                    parts.append(start_payload_checksums(first))
-                    order = list(found)
-        # the copy goes first: the first hashes keep the threads busy while the rest are queued
-        prefetched = self._prefetched[req.req_id] = self._prefetch(req, {n: t for n, (_, _, t) in found.items()})
+        for s in self._prefetched.pop(req.req_id, ()):  # (none: a fetch given up was forgotten first)
+            self.engine.release(s.pre)
+        sent: list[Sent] = self._prefetched.setdefault(req.req_id, [])  # (released by _forget, whatever fails)
+
+        def read_and_send(lo: int) -> None:  # jobs[lo:]
+            nonlocal order
+            errors.extend([None] * (len(jobs) - lo))
+            views: list[tuple[bytes, torch.Tensor] | None] = [None] * (len(jobs) - lo)
+            # errors are kept without their tracebacks: a traceback holds this frame, whose views
+            # would keep an old server pool mapped until the garbage collector ran
+            try:
+                self._resolve_remote(jobs[lo:], views)
+            except TierTrouble as e:
+                errors[lo:] = [e.with_traceback(None) if j.lease else None for j in jobs[lo:]]
+            for n in range(lo, len(jobs)):
+                if errors[n] is None:
+                    try:
+                        found[n] = self._object(jobs[n], views[n - lo])
+                    except ChunkError as e:
+                        errors[n] = e.with_traceback(None)
+                if host_first and not order and len(found) == MAX_THREADS:
+                    first = [data for _, data, _ in found.values()]
+                    if sum(d.nbytes for d in first) >= PARALLEL_MIN_BYTES:  # enough for the threads
+                        parts.append(start_payload_checksums(first))
+                        order = list(found)
+            # the copy goes first: the first hashes keep the threads busy while the rest are queued
+            sent.extend(self._prefetch(jobs, {n: t for n, (_, _, t) in found.items() if n >= lo}))
+
+        read_and_send(0)
+        if more is not None:
+            extra = more()
+            if extra:
+                jobs += extra
+                read_and_send(len(jobs) - len(extra))
+            req = FetchRequest(req.req_id, jobs, req.serial)
         if verify:
             unverifiable: list[int] = []
-            for g, (pre, _) in prefetched.items():
-                rows = [n for n in found if jobs[n].group == g][:pre.rows]
+            for s in sent:
                 try:
-                    digests = self.engine.digest(pre)
+                    digests = self.engine.digest(s.pre)
                 except Exception as e:  # no verdict for those rows: recomputed, nothing known bad
                     logger.exception("vllm-kvplugin: %s: device digests of %d objects could not be started",
-                                     req.req_id, len(rows))
+                                     req.req_id, len(s.jobs))
                     trouble = TierTrouble("verify_error", f"device digests could not be started ({e})")
-                    for n in rows:
+                    for n in s.jobs:
                         errors[n] = errors[n] or trouble
-                    unverifiable += rows
+                    unverifiable += s.jobs
                     continue
                 if digests is not None:
                     parts.append(digests)
-                    order += rows
+                    order += s.jobs
                     device_parts += 1
             covered = set(order) | set(unverifiable)
             rest = [n for n in found if n not in covered]
@@ -265,17 +298,18 @@ class FetchPath:
             return header, data, payload
         return header, data, payload.view(dtype).view(1, *shape)
 
-    def _prefetch(self, req: FetchRequest, found: dict[int, torch.Tensor]) -> dict[int, tuple[Any, dict[int, int]]]:
-        """Per attention-like group, the objects found, sent toward the device (a CUDA cache)
-        while their headers and payloads are checked: (prefetch, position -> row)."""
-        out = {}
+    def _prefetch(self, jobs: list[FetchJob], found: dict[int, torch.Tensor]) -> list[Sent]:
+        """Per attention-like group, the objects ``found`` (job index -> payload), sent toward the
+        device (a CUDA cache) while their headers and payloads are checked."""
+        out = []
         for g, spec in enumerate(self.groups):
             if spec.kind is GroupKind.RECURRENT:
                 continue
-            mine = [(req.jobs[n].position, t) for n, t in found.items() if req.jobs[n].group == g]
-            pre = self.engine.prefetch(self.layouts[g], [t for _, t in mine]) if mine else None
+            mine = [n for n in found if jobs[n].group == g]
+            pre = self.engine.prefetch(self.layouts[g], [found[n] for n in mine]) if mine else None
             if pre is not None:
-                out[g] = (pre, {pos: row for row, (pos, _) in enumerate(mine[:pre.rows])})
+                mine = mine[:pre.rows]
+                out.append(Sent(g, pre, mine, {jobs[n].position: row for row, n in enumerate(mine)}))
         return out
 
     def _forget(self, req_id: str) -> None:
@@ -283,8 +317,8 @@ class FetchPath:
         verdict still due is never given (hashes still running are left to finish unread)."""
         self._verifying.pop(req_id, None)
         self._staged.pop(req_id, None)
-        for pre, _ in self._prefetched.pop(req_id, {}).values():
-            self.engine.release(pre)
+        for s in self._prefetched.pop(req_id, ()):
+            self.engine.release(s.pre)
 
     def _resolve_remote(self, jobs, views) -> None:
         """Pool views (header bytes, payload tensor) of the leased jobs, per group."""

@@ -1,0 +1,76 @@
+"""A lone request's hit in two parts (``connector/scheduler_lone.py``): its first chunks are keyed,
+read and sent before the rest are keyed; one fetch, one verdict over both parts in order.  The
+integrity issue's prompt P (8 chunks + 10 tokens, ``test_integrity``) on a real engine, every
+output compared with an engine without the connector's, on poisoned KV."""
+
+from __future__ import annotations
+
+import pytest
+from harness import Probe, engine, generate, shutdown
+from test_cache_hits import _baseline
+from test_integrity import BLOCK, CHUNK, P, _local_flip
+
+import vllm_kvplugin
+from vllm_kvplugin import counters
+
+pytestmark = pytest.mark.engine
+
+
+def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model, monkeypatch):
+    """P's repeat, alone in the engine: the scheduler keys its first 4 chunks
+    (``FIRST_PART_CHUNKS``), the worker reads them (on a GPU: starts their copy), and only then
+    are the other 4 keyed, planned, pinned and read; the hit is claimed whole in that step.  A
+    byte flipped in chunk 6 (the second part), then in chunk 1 (the first): the verdict ends the
+    hit before it (6, then 1 chunk), the object is dropped, the output is right and the next run
+    hits in full.  ``FIRST_PART_CHUNKS = 0`` keys the prompt whole before the first read."""
+    from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.connector import scheduler_lone as lmod
+    from vllm_kvplugin.connector import worker as wmod
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    events: list[tuple[str, int]] = []
+    for mod in (smod, lmod):
+        def keys(*a, _orig=mod.chunk_keys, **k):
+            out = _orig(*a, **k)
+            events.append(("keys", len(out)))
+            return out
+        monkeypatch.setattr(mod, "chunk_keys", keys)
+    read = wmod.WorkerSide._object
+    monkeypatch.setattr(wmod.WorkerSide, "_object",
+                        lambda ws, job, view: events.append(("read", job.position)) or read(ws, job, view))
+    reads = [("read", n) for n in range(8)]
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+
+            def run(hit: int) -> None:
+                probe.poison_all_blocks(seed=len(probe.loads))
+                events.clear()
+                r = generate(llm, [P])[0]
+                assert r.token_ids == want and r.num_cached_tokens == hit * CHUNK
+                assert probe.loads[-1][1] == hit * CHUNK  # the load's target blocks poisoned first
+                assert probe.worker.finisher.drain(30)
+
+            run(8)
+            assert events == [("keys", 4), *reads[:4], ("keys", 4), *reads[4:]], events
+            s = vllm_kvplugin.stats()
+            assert s["lone_fetches"] == 1 and s["split_fetches"] == 1 and s["load_failures"] == {}
+            for bad, failures in ((6, 1), (1, 2)):
+                flip, _ = _local_flip(probe, P, bad)
+                flip()
+                run(bad)
+                assert events[:len(reads) + 2] == [("keys", 4), *reads[:4], ("keys", 4), *reads[4:]], events
+                s = vllm_kvplugin.stats()
+                assert s["load_failures"] == {"checksum": failures} and s["dropped_objects"] == failures
+                run(8)  # stored again where it failed
+            monkeypatch.setattr(lmod, "FIRST_PART_CHUNKS", 0)
+            run(8)
+            assert events == [("keys", 8), *reads], events
+            s = vllm_kvplugin.stats()
+            assert s["lone_fetches"] == 6 and s["split_fetches"] == 5, s
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+        finally:
+            shutdown(llm)

@@ -1,0 +1,135 @@
+"""A request alone in an engine of one rank: its hit fetched, verified and claimed in the step that
+looks it up, its first chunks on the link while the rest are still being keyed.
+
+:class:`LoneFetch` is mixed into :class:`~vllm_kvplugin.connector.scheduler.SchedulerSide`; it runs
+in ``get_num_new_matched_tokens``, on vLLM's thread, where the worker half of such an engine runs
+too (its ``fetch_now`` is in the verdict box, ``connector/verdicts.py``).
+
+"Alone": one rank, both halves in this process, no request started and unfinished, and no other
+request known to the connector (running or held back).  A wait then holds up nobody but requests
+that arrived along with this one, which wait at most :data:`LONE_FETCH_WAIT_S`.  With other
+requests running the hit goes with the step's metadata instead (a wait would stall their steps).
+
+The split (:meth:`LoneFetch._first_keys`): a long prompt's first chunks are keyed alone; when the
+local tier holds every one of them, the worker reads them and starts their copy, then calls back
+for the rest (:meth:`LoneFetch._first_part`'s ``rest``: the other keys, the whole plan, its pins),
+which it fetches after them as one fetch.  The verdict covers both parts in order, and the claim
+waits for it as before: only the work before the first byte moves under the copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_kvplugin import counters
+from vllm_kvplugin.adapters import _common
+from vllm_kvplugin.chunk.keys import chunk_keys
+from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest
+from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
+from vllm_kvplugin.layout.descriptor import GroupKind
+from vllm_kvplugin.planner import plan_load
+
+#: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
+#: verdict; a 64k-token hit of an 8B model (9.7 GB) is copied and verified in ~0.18 s on an H200.
+#: A longer one is held back and claimed in a later step, as with other requests running.  A
+#: request arriving meanwhile waits at most this.
+LONE_FETCH_WAIT_S = 0.25
+
+#: a lone request's lookup keys this many leading chunks first (an eighth of a longer hit) and, when
+#: the local tier holds them all, starts their copy before it keys the rest (on the H200's host the
+#: keys, plan and reads of an 8k-token hit took ~0.5 ms before the first byte).  Split only where
+#: the rest is at least as long.  0: never split.
+FIRST_PART_CHUNKS = 4
+
+
+class LoneFetch:
+    """The lone request's fetch (a mixin of ``SchedulerSide``; see the module's docstring).  Uses
+    its ``world_size``, ``chunk_size``, ``groups``, ``local``, ``server``, ``fingerprint``,
+    ``namespace``, ``drafter``, ``_started``, ``_reqs``, ``_storing``, ``_verdicts``, ``_forget``
+    and ``_pinned_jobs``."""
+
+    def _alone(self, req_id: str) -> Callable[..., bool | None] | None:
+        """The worker half's ``fetch_now`` when ``req_id`` is alone in an engine of one rank whose
+        worker half is in this process, else None."""
+        if self.world_size != 1 or self._started or any(rid != req_id for rid in self._reqs):
+            return None  # (requests looked up and not finished: running, or waiting as this one)
+        return self._verdicts.fetcher()
+
+    def _fetch_here(self, req: FetchRequest, more: Callable[[], list[FetchJob]] | None = None) -> bool | None:
+        """When ``req``'s request is alone (see the module's docstring): the worker half fetches
+        and verifies ``req`` now, on this thread, and the verdict is waited for up to
+        :data:`LONE_FETCH_WAIT_S` -- the hit is then claimed in this step instead of the next (a
+        step boundary and the verdict's hand-off between threads saved).  ``more``: the rest of
+        the hit, looked up once ``req``'s objects are on their way (``fetch_now``).
+
+        True: the verdict is in the box.  False: the fetch is under way, its verdict comes
+        later.  None: not done here (the workers fetch it with this step's metadata, as with
+        other requests running: a wait here would stall their steps); ``more`` was not called."""
+        fetch_now = self._alone(req.req_id)
+        if fetch_now is None:
+            return None
+        t0 = time.monotonic()
+        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S, more)
+        if done is not None:
+            counters.SCHEDULER.add(lone_fetches=1, lone_fetch_wait_s=time.monotonic() - t0)
+            # an earlier fetch of the request, given up this step, was forgotten there first
+            self._forget = [rid for rid in self._forget if rid != req.req_id]
+        return done
+
+    def _first_keys(self, request: Any, ids) -> int:
+        """How many leading chunks of a new request to key before its lookup (0: all of them):
+        a split is for a lone request whose hit can only come from the local tier, with groups
+        that restore every chunk of a prefix (attention, MLA), nothing of the prompt being stored,
+        and a hit long enough for two parts."""
+        if (FIRST_PART_CHUNKS <= 0 or self.server is not None or self._storing
+                or any(g.kind not in (GroupKind.ATTENTION, GroupKind.MLA) for g in self.groups)
+                or any(idx.num_slots == 0 for idx in self.local) or _common.skips_prefix_cache(request)
+                or self._alone(request.request_id) is None):
+            return 0
+        chunks = max(0, (len(ids) - 1) // self.chunk_size - self.drafter)
+        first = max(FIRST_PART_CHUNKS, chunks // 8)
+        return first if chunks >= 2 * first else 0
+
+    def _finish_keys(self, tr: RequestTracker) -> None:
+        """The keys of the chunks after the first (a split lookup's), once."""
+        if tr.unkeyed is None:
+            return
+        (ids, extras), tr.unkeyed = tr.unkeyed, None
+        tr.keys += chunk_keys(self.fingerprint, ids, self.chunk_size, extras, namespace=self.namespace,
+                              start_key=tr.keys[-1], start_chunk=len(tr.keys))
+
+    def _first_part(self, tr: RequestTracker, num_computed: int) -> tuple[Fetch | None, Callable[[], list[FetchJob]] | None]:
+        """For a request keyed only up to its first chunks: when the local tier holds every one of
+        them, their fetch (pinned) and ``rest``, which keys the other chunks, plans the whole hit,
+        pins and returns its other objects and makes the fetch the whole hit's (once; later calls
+        return nothing).  Otherwise the keys are finished here and (None, None): looked up as usual."""
+        C, first = self.chunk_size, len(tr.keys)
+        plan = plan_load(tr.prompt_len, num_computed, C, self.groups,
+                         lambda pos, g: self.local[g].ready(tr.keys[pos]), first)
+        if plan is None or plan.end != first * C:
+            self._finish_keys(tr)
+            return None, None
+        pins: list[tuple[int, int]] = []
+        fetch = Fetch(plan, self._pinned_jobs(tr, plan.objects, pins), 0, pins, issued=time.monotonic())
+        asked = False
+
+        def rest() -> list[FetchJob]:
+            nonlocal asked
+            self._finish_keys(tr)
+            if asked:
+                return []
+            asked = True
+            whole = plan_load(tr.prompt_len, num_computed, C, self.groups,
+                              lambda pos, g: self.local[g].ready(tr.keys[pos]), self._limit(tr))
+            n = len(fetch.plan.objects)
+            if whole is None or whole.objects[:n] != fetch.plan.objects:  # (never, for these groups)
+                return []
+            more = self._pinned_jobs(tr, whole.objects[n:], fetch.pins)
+            fetch.plan, fetch.jobs = whole, fetch.jobs + more
+            if more:
+                counters.SCHEDULER.add(split_fetches=1)
+            return more
+
+        return fetch, rest
