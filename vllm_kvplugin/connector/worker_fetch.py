@@ -155,9 +155,8 @@ class FetchPath:
         device_parts = 0  # of ``parts``, computed on the device
         verify = self.cfg.verify_checksums
         host_first = verify and not self.engine.digests
-        for s in self._prefetched.pop(req.req_id, ()):  # (none: a fetch given up was forgotten first)
-            self.engine.release(s.pre)
-        sent: list[Sent] = self._prefetched.setdefault(req.req_id, [])  # (released by _forget, whatever fails)
+        sent: list[Sent] = []
+        self._prefetched[req.req_id] = sent  # (released by _forget, whatever fails after this)
 
         def read_and_send(lo: int) -> None:  # jobs[lo:]
             nonlocal order
@@ -181,7 +180,7 @@ class FetchPath:
                         parts.append(start_payload_checksums(first))
                         order = list(found)
             # the copy goes first: the first hashes keep the threads busy while the rest are queued
-            sent.extend(self._prefetch(jobs, {n: t for n, (_, _, t) in found.items() if n >= lo}))
+            self._prefetch(jobs, {n: t for n, (_, _, t) in found.items() if n >= lo}, sent)
 
         read_and_send(0)
         if more is not None:
@@ -298,10 +297,10 @@ class FetchPath:
             return header, data, payload
         return header, data, payload.view(dtype).view(1, *shape)
 
-    def _prefetch(self, jobs: list[FetchJob], found: dict[int, torch.Tensor]) -> list[Sent]:
+    def _prefetch(self, jobs: list[FetchJob], found: dict[int, torch.Tensor], sent: list[Sent]) -> None:
         """Per attention-like group, the objects ``found`` (job index -> payload), sent toward the
-        device (a CUDA cache) while their headers and payloads are checked."""
-        out = []
+        device (a CUDA cache) while their headers and payloads are checked: each prefetch into
+        ``sent`` as soon as it is issued (so that it is released should a later one raise)."""
         for g, spec in enumerate(self.groups):
             if spec.kind is GroupKind.RECURRENT:
                 continue
@@ -309,8 +308,7 @@ class FetchPath:
             pre = self.engine.prefetch(self.layouts[g], [found[n] for n in mine]) if mine else None
             if pre is not None:
                 mine = mine[:pre.rows]
-                out.append(Sent(g, pre, mine, {jobs[n].position: row for row, n in enumerate(mine)}))
-        return out
+                sent.append(Sent(g, pre, mine, {jobs[n].position: row for row, n in enumerate(mine)}))
 
     def _forget(self, req_id: str) -> None:
         """A fetch that will not load (or just did): its views and device staging go, and a
