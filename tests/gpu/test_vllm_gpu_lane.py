@@ -185,6 +185,15 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
             srv.stop()
 
 
+def _reference(model: str, p: list[int], **kw) -> list[int]:
+    """``p``'s output from an engine without the connector."""
+    base = engine(model, BLOCK, None, **kw)
+    try:
+        return generate(base, [p])[0].token_ids
+    finally:
+        shutdown(base)
+
+
 @pytest.mark.parametrize("bad", [1, 5])
 def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypatch):
     """Staging room for 3 of a hit's 8 chunks: those are prefetched and verified on the device,
@@ -200,11 +209,7 @@ def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypat
     monkeypatch.setattr(test_integrity, "BAD", bad)
     p = prompt(8 * CHUNK + 10, seed=53)
     kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
-    base = engine(model, BLOCK, None, **kw)
-    try:
-        want = generate(base, [p])[0].token_ids
-    finally:
-        shutdown(base)
+    want = _reference(model, p, **kw)
     chunk_bytes = 8 * 2 * CHUNK * 8 * 128 * 2  # the lane's model: 8 layers of 8 KV heads x 128, bf16
     counters.STATS.reset()
     hashed_on_host = []
@@ -248,11 +253,7 @@ def test_a_lone_split_hit_is_sent_in_two_prefetches(model, bad, monkeypatch):
     monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
     p = prompt(8 * CHUNK + 10, seed=57)
     kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
-    base = engine(model, BLOCK, None, **kw)
-    try:
-        want = generate(base, [p])[0].token_ids
-    finally:
-        shutdown(base)
+    want = _reference(model, p, **kw)
     counters.STATS.reset()
     hashed_on_host, rows = [], []
     orig, prefetch = fmod.start_payload_checksums, CudaTransfer.prefetch
