@@ -25,7 +25,9 @@ With ``--timeline`` every engine has ``stage_timers.StageTimers`` installed from
 (every mode alike), and after the rounds each runs one more ``reuse_0`` and ``reuse_80`` batch whose
 stages and timeline (every step, forward, fetch, hash, copy) are kept in the results.
 
-Throughput = (prompt + generated tokens) / wall seconds of the batch.  A mode's ratio to the
+Throughput = (prompt + generated tokens) / wall seconds of the batch.  A plugin engine's stores
+still in flight when ``generate`` returns are then waited for, outside the batch's wall time
+(``drain_s``), so that they never run into the next engine's batch.  A mode's ratio to the
 baseline is taken per round (batches seconds apart) and the median over rounds is reported,
 with every round's; each batch also records the engine process's CPU seconds, split by thread
 name (and the cache server's, for the server mode).  Results: JSON with the machine and versions.
@@ -146,13 +148,28 @@ def run_resident(mode: str, args) -> None:
             timers.reset()
         c0, t0 = _cpu_s(), _threads_cpu_s()
         out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk), args.max_tokens)
-        out["cpu_s"] = round(_cpu_s() - c0, 3)
+        out["drain_s"] = _drain(mode)
+        out["cpu_s"] = round(_cpu_s() - c0, 3)  # (the batch's stores finished included)
         out["cpu_s_by_thread"] = _by_thread(t0, _threads_cpu_s())
         if timed:
             out["stages"] = timers.collect()
         return out
 
     serve(handle)
+
+
+def _drain(mode: str) -> float:
+    """Seconds until the plugin's stores of the batch just done are finished (its store finisher
+    drained, at most 60 s); 0 for an engine without the plugin."""
+    if not mode.startswith("kvplugin"):
+        return 0.0
+    from vllm_kvplugin.connector.worker import registered
+
+    worker = registered()
+    t0 = time.perf_counter()
+    if worker is not None and worker.finisher is not None and not worker.finisher.drain(60):
+        print(f"{mode}: stores still in flight after 60 s", file=sys.stderr, flush=True)
+    return round(time.perf_counter() - t0, 4)
 
 
 def _proc_cpu_s(pid: int) -> float | None:
@@ -217,6 +234,7 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
             row[f"{mode}_tokens_per_s"] = round(statistics.median(b["tokens_per_s"] for b in bs), 1)
             row[f"{mode}_cached_tokens"] = bs[-1]["cached_tokens"]
             row[f"{mode}_cpu_s_per_batch"] = round(statistics.median(b["cpu_s"] for b in bs), 2)
+            row[f"{mode}_drain_s_per_batch"] = round(statistics.median(b.get("drain_s", 0.0) for b in bs), 4)
             threads = {name for b in bs for name in b.get("cpu_s_by_thread", {})}
             if threads:
                 per = {name: round(statistics.median(b.get("cpu_s_by_thread", {}).get(name, 0.0) for b in bs), 2)
