@@ -1,0 +1,113 @@
+"""A lone request's lookup, from its start to the first prefetch call, split or not (CPU or GPU).
+
+One engine (in-process, eager, vLLM's prefix cache off), KVPluginConnector with the in-process
+tier.  Per prompt length and pair: a fresh prompt is stored (cold), then repeated twice, once with
+``scheduler_lone.FIRST_PART_CHUNKS`` as shipped (its first chunks keyed, read and sent before the
+rest are keyed) and once with it 0 (the whole prompt keyed first), the order alternating by pair.
+Measured per repeat: from the start of vLLM's first ``get_num_new_matched_tokens`` call to the
+worker's first ``_prefetch`` call (on a GPU, the copy's issue; the CPU engine's returns at once),
+and that first lookup call whole.  Both repeats must hit in full.  The first two pairs of a length
+are warm-up.  Results: medians per length, every sample, with the machine and versions.
+
+    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--out benchmarks/results/lone-lookup-cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ttft_common import environment, tokens  # noqa: E402
+
+WARM_UP_PAIRS = 2
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="8193,16385")
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--out", default=str(HERE / "results" / "lone-lookup-cpu.json"))
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from vllm_kvplugin import tiny_model
+    from vllm_kvplugin.connector import scheduler_lone
+    from vllm_kvplugin.connector.scheduler import SchedulerSide
+    from vllm_kvplugin.connector.worker import WorkerSide
+
+    marks: dict[str, float] = {}
+    match, prefetch = SchedulerSide.get_num_new_matched_tokens, WorkerSide._prefetch
+
+    def timed_match(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return match(self, *a, **k)
+        finally:
+            if "match" not in marks:
+                marks["match"], marks["match_end"] = t0, time.perf_counter()
+
+    def timed_prefetch(self, *a, **k):
+        marks.setdefault("prefetch", time.perf_counter())
+        return prefetch(self, *a, **k)
+    SchedulerSide.get_num_new_matched_tokens, WorkerSide._prefetch = timed_match, timed_prefetch
+
+    spec = tiny_model.TinySpec(arch="qwen3", layers=2, hidden=256, heads=8, kv_heads=8, head_dim=128)
+    model = str(tiny_model.build(spec))
+    ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
+                           kv_connector_extra_config={"chunk_size": args.chunk, "cpu_bytes": 6 << 30})
+    top = max(lengths) + 64
+    llm = LLM(model=model, enable_prefix_caching=False, max_model_len=top, enforce_eager=True,
+              kv_cache_memory_bytes=3 << 30, block_size=args.block, kv_transfer_config=ktc, seed=0,
+              max_num_batched_tokens=top)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    shipped = scheduler_lone.FIRST_PART_CHUNKS
+    rows = []
+    for n in lengths:
+        samples: dict[str, list[tuple[float, float]]] = {"split": [], "unsplit": []}
+        for pair in range(args.pairs + WARM_UP_PAIRS):
+            p = tokens(n, 7000 * n + pair)
+            llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+            for mode in ("split", "unsplit") if pair % 2 else ("unsplit", "split"):
+                scheduler_lone.FIRST_PART_CHUNKS = shipped if mode == "split" else 0
+                marks.clear()
+                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+                want = (n - 1) // args.chunk * args.chunk
+                if o.num_cached_tokens != want:
+                    raise RuntimeError(f"{mode} repeat of {n} tokens hit {o.num_cached_tokens}, not {want}")
+                if pair >= WARM_UP_PAIRS:
+                    samples[mode].append((marks["prefetch"] - marks["match"], marks["match_end"] - marks["match"]))
+        scheduler_lone.FIRST_PART_CHUNKS = shipped
+        row = {"prompt_tokens": n}
+        for mode, got in samples.items():
+            row[f"{mode}_to_first_prefetch_ms"] = round(1e3 * statistics.median(a for a, _ in got), 3)
+            row[f"{mode}_lookup_call_ms"] = round(1e3 * statistics.median(b for _, b in got), 3)
+            row[f"{mode}_samples_ms"] = [[round(1e3 * a, 3), round(1e3 * b, 3)] for a, b in got]
+        rows.append(row)
+        print(f"{n}: to the first prefetch {row['unsplit_to_first_prefetch_ms']} ms whole prompt keyed first, "
+              f"{row['split_to_first_prefetch_ms']} ms split", flush=True)
+    import vllm_kvplugin
+
+    doc = {"benchmark": "lone_lookup", "date": time.strftime("%Y-%m-%d"), **environment(),
+           "model": spec.__dict__, "block_size": args.block, "chunk_size": args.chunk,
+           "first_part_chunks": shipped, "pairs": args.pairs, "rows": rows, "kvplugin_stats": vllm_kvplugin.stats()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
