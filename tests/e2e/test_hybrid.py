@@ -134,7 +134,9 @@ def test_hybrid_hit_is_identical_to_recompute(case: Case):
                     problems.append((n, sorted(k for k, v in got.items() if not v), warm.num_cached_tokens, hit))
             assert not problems, f"{case.arch}: (length, failed, num_cached_tokens, planned) {problems}"
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
-            assert vllm_kvplugin.stats()["load_failures"] == {}
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {} and s["lone_fetches"] > 0
+            assert s["split_fetches"] == 0  # a window's or a state's plan is no prefix of the whole's: never split
             # negative control, per length class: claim the hit, write nothing -> another output
             probe.skip_loads = True
             for d in (0, 1, 4):

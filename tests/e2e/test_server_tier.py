@@ -74,6 +74,7 @@ def test_hit_through_server_at_any_prefix_length(qwen3_model, server):
             s = vllm_kvplugin.stats()
             assert s["server_bytes_mismatches"] == 0 and s["load_failures"] == {}
             assert s["server_planned_bytes"] > 0
+            assert s["lone_fetches"] > 0 and s["split_fetches"] == 0  # a server hit is looked up whole
         finally:
             shutdown(llm)
 
