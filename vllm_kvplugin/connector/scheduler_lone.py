@@ -81,8 +81,8 @@ class LoneFetch:
     def _first_keys(self, request: Any, ids) -> int:
         """How many leading chunks of a new request to key before its lookup (0: all of them):
         a split is for a lone request whose hit can only come from the local tier, with groups
-        that restore every chunk of a prefix (attention, MLA), nothing of the prompt being stored,
-        and a hit long enough for two parts."""
+        that restore every chunk of a prefix (attention, MLA), no store of this engine's still
+        unacknowledged (a lookup would wait for those), and a hit long enough for two parts."""
         if (FIRST_PART_CHUNKS <= 0 or self.server is not None or self._storing
                 or any(g.kind not in (GroupKind.ATTENTION, GroupKind.MLA) for g in self.groups)
                 or any(idx.num_slots == 0 for idx in self.local) or _common.skips_prefix_cache(request)
