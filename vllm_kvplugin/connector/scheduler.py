@@ -237,8 +237,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         :data:`_ASKING` while the server's answer is still on its way."""
         C = self.chunk_size
         max_hit = self._limit(tr)
-        plan = plan_load(tr.prompt_len, num_computed, C, self.groups,
-                         lambda pos, g: self.local[g].ready(tr.keys[pos]), max_hit)
+        plan = self._local_plan(tr, num_computed, max_hit)
         lease = 0
         local_end = plan.end // C if plan else 0
         if self.server is not None and local_end < max_hit:
@@ -267,6 +266,11 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         jobs = ([FetchJob(tr.keys[o.position], o.position, o.group, lease=lease) for o in plan.objects] if lease
                 else self._pinned_jobs(tr, plan.objects, pins))
         return Fetch(plan, jobs, lease, pins, issued=time.monotonic())
+
+    def _local_plan(self, tr: RequestTracker, num_computed: int, limit: int) -> LoadPlan | None:
+        """The hit the local tier holds (chunks up to ``limit``), planned."""
+        return plan_load(tr.prompt_len, num_computed, self.chunk_size, self.groups,
+                         lambda pos, g: self.local[g].ready(tr.keys[pos]), limit)
 
     def _pinned_jobs(self, tr: RequestTracker, objects, pins: list[tuple[int, int]]) -> list[FetchJob]:
         """Fetch jobs of ``objects`` from the local tier, each pinned there (added to ``pins``)."""

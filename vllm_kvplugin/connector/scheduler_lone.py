@@ -29,7 +29,6 @@ from vllm_kvplugin.chunk.keys import chunk_keys
 from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest
 from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 from vllm_kvplugin.layout.descriptor import GroupKind
-from vllm_kvplugin.planner import plan_load
 
 #: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
 #: verdict; a 64k-token hit of an 8B model (9.7 GB) is copied and verified in ~0.18 s on an H200.
@@ -47,8 +46,8 @@ FIRST_PART_CHUNKS = 4
 class LoneFetch:
     """The lone request's fetch (a mixin of ``SchedulerSide``; see the module's docstring).  Uses
     its ``world_size``, ``chunk_size``, ``groups``, ``local``, ``server``, ``fingerprint``,
-    ``namespace``, ``drafter``, ``_started``, ``_reqs``, ``_storing``, ``_verdicts``, ``_forget``
-    and ``_pinned_jobs``."""
+    ``namespace``, ``drafter``, ``_started``, ``_reqs``, ``_storing``, ``_verdicts``, ``_forget``,
+    ``_limit``, ``_local_plan`` and ``_pinned_jobs``."""
 
     def _alone(self, req_id: str) -> Callable[..., bool | None] | None:
         """The worker half's ``fetch_now`` when ``req_id`` is alone in an engine of one rank whose
@@ -105,10 +104,9 @@ class LoneFetch:
         them, their fetch (pinned) and ``rest``, which keys the other chunks, plans the whole hit,
         pins and returns its other objects and makes the fetch the whole hit's (once; later calls
         return nothing).  Otherwise the keys are finished here and (None, None): looked up as usual."""
-        C, first = self.chunk_size, len(tr.keys)
-        plan = plan_load(tr.prompt_len, num_computed, C, self.groups,
-                         lambda pos, g: self.local[g].ready(tr.keys[pos]), first)
-        if plan is None or plan.end != first * C:
+        first = len(tr.keys)
+        plan = self._local_plan(tr, num_computed, first)
+        if plan is None or plan.end != first * self.chunk_size:
             self._finish_keys(tr)
             return None, None
         pins: list[tuple[int, int]] = []
@@ -121,8 +119,7 @@ class LoneFetch:
             if asked:
                 return []
             asked = True
-            whole = plan_load(tr.prompt_len, num_computed, C, self.groups,
-                              lambda pos, g: self.local[g].ready(tr.keys[pos]), self._limit(tr))
+            whole = self._local_plan(tr, num_computed, self._limit(tr))
             n = len(fetch.plan.objects)
             if whole is None or whole.objects[:n] != fetch.plan.objects:  # (never, for these groups)
                 return []
