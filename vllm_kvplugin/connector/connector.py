@@ -141,3 +141,9 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None
+
+    def shutdown(self) -> None:
+        # vLLM's scheduler and worker call it when the engine stops
+        for side in (self._sched, self._worker):
+            if side is not None:
+                side.close()

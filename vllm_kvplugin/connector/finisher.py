@@ -16,6 +16,9 @@ engine stepping, so the acknowledgements arrive.
 
 When the KV cache lives in host memory the copies are done when issued and the work
 is cheap relative to a CPU forward: the finisher then runs inside ``submit``.
+
+The thread holds the worker (its ``finish``): :meth:`StoreFinisher.close`, called when vLLM shuts
+the connector down, ends it, so that an engine shut down frees its KV cache, tiers and staging.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: finish on the worker's own thread when the cache is in host memory (tests may flip it)
 ASYNC_ON_HOST = False
+#: how long :meth:`StoreFinisher.close` waits for the stores still in flight
+CLOSE_WAIT_S = 10.0
 
 
 @dataclass
@@ -70,9 +75,10 @@ class StoreFinisher:
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def submit(self, entry: PendingStore) -> None:
-        if not self._async:
+        if not self._async or self._closed:
             self._complete(entry)
             return
         if self._thread is None or not self._thread.is_alive():
@@ -110,6 +116,20 @@ class StoreFinisher:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted store finished (tests, shutdown)."""
         return self._idle.wait(timeout)
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> bool:
+        """End the thread once the stores submitted so far are finished (at most ``timeout``
+        seconds each for the drain and the join; a store still in flight then finishes on the
+        daemon thread or never); later stores finish inside :meth:`submit`.  Whether the
+        thread ended.  Who calls: the worker's ``close``, at vLLM's connector shutdown."""
+        self._closed = True
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        self.drain(timeout)
+        self._queue.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _run(self) -> None:
         while True:

@@ -513,3 +513,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             self._abandon_lookup(tr)
         self._reqs.clear()
         return True
+
+    def close(self) -> None:
+        """At vLLM's connector shutdown: the server connection closes (its heartbeat ends)."""
+        if self.server is not None:
+            self.server.close()

@@ -355,6 +355,17 @@ class WorkerSide(FetchPath, StorePath):
         except Exception:
             logger.exception("vllm-kvplugin: issuing paced store DMAs failed")
 
+    def close(self) -> None:
+        """At vLLM's connector shutdown: the stores in flight finish (bounded), the finisher's
+        thread ends, held device staging is released and the server connection closes; what
+        this worker holds (KV cache views, tiers, staging) is then freed with it."""
+        if self.finisher is not None and not self.finisher.close():
+            logger.warning("vllm-kvplugin: stores still in flight at shutdown; their objects are not kept")
+        for req_id in list(self._prefetched):
+            self._forget(req_id)
+        if self.server is not None:
+            self.server.close()
+
     # ------------------------------------------------------------------ results
     def take_invalid_blocks(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
