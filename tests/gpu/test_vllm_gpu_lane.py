@@ -287,6 +287,49 @@ def test_a_lone_split_hit_is_sent_in_two_prefetches(model, bad, monkeypatch):
             shutdown(llm)
 
 
+def test_an_engine_shut_down_lets_go_of_its_worker_and_the_server_pool(model, server):
+    """Two engines through the server, one after the other in this process.  After the first
+    one's shutdown its worker is garbage (before, its store finisher's thread kept it -- KV cache
+    views, staging -- and the lane's later engines ran short of device memory) and the pool
+    mapping it page-locked is unregistered (unmapped while registered, CUDA would keep the old
+    pages for a later mapping at that address).  The second engine hits the first one's stores
+    in full, with the right output, on poisoned KV."""
+    import gc
+    import weakref
+
+    from vllm_kvplugin.connector import worker as wmod
+
+    p = prompt(8 * CHUNK + 10, seed=61)
+    kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
+    want = _reference(model, p, **kw)
+    cfg = {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address}
+    llm = engine(model, BLOCK, cfg, **kw)
+    try:
+        assert generate(llm, [p])[0].token_ids == want
+        worker = weakref.ref(wmod.registered())
+        pool = worker().server._tensor
+        assert pool is not None and pool.is_pinned()
+    finally:
+        shutdown(llm)
+    del llm
+    gc.collect()
+    assert worker() is None
+    assert not pool.is_pinned()
+    del pool
+    gc.collect()
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, cfg, **kw)
+        try:
+            probe.poison_all_blocks(seed=3)
+            r = generate(llm, [p])[0]
+            assert r.token_ids == want and r.num_cached_tokens == 8 * CHUNK
+            assert vllm_kvplugin.stats()["load_failures"] == {}
+            assert [t for _, t in probe.loads] == [8 * CHUNK]  # its target blocks poisoned first
+        finally:
+            shutdown(llm)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):

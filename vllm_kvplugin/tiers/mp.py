@@ -211,7 +211,9 @@ class ServerStore:
         """An old pool is about to be unmapped (no tensor uses it any more): unregister it first.
         A copy enqueued earlier may still read it (a prefetch of a request that was since
         forgotten keeps no view), so the device finishes its work before (only after a restart)."""
-        ptr = tensor.data_ptr()
+        self._unregister(tensor.data_ptr())
+
+    def _unregister(self, ptr: int) -> None:
         if ptr in self._registered:
             import torch
 
@@ -296,4 +298,11 @@ class ServerStore:
         return self._client.pool_generation
 
     def close(self) -> None:
+        """At the worker's shutdown: every mapping this store page-locked is unregistered (the
+        device's copies finished first) before the connection closes.  The mapping itself goes
+        when nothing holds it; unmapped while still registered, CUDA would keep its old pages,
+        and a later mapping at the same address would be taken for page-locked."""
+        for ptr in list(self._registered):
+            self._unregister(ptr)
+        self._tensor = None
         self._client.close()
