@@ -360,7 +360,7 @@ class WorkerSide(FetchPath, StorePath):
         thread ends, held device staging is released and the server connection closes; what
         this worker holds (KV cache views, tiers, staging) is then freed with it."""
         if self.finisher is not None and not self.finisher.close():
-            logger.warning("vllm-kvplugin: stores still in flight at shutdown; their objects are not kept")
+            logger.warning("vllm-kvplugin: stores still in flight at shutdown may not be kept")
         for req_id in list(self._prefetched):
             self._forget(req_id)
         if self.server is not None:
