@@ -23,7 +23,10 @@ class StoreDecisions:
     def _store_jobs(self, tr: RequestTracker, done: int) -> list[StoreJob]:
         """Objects of the chunks completed by this step: into the local tier (once per key,
         while there is room, a prefix only) and to the server (past what its lookup found; it
-        drops what it has)."""
+        drops what it has).  A step that completes no new chunk (a decode step) costs nothing:
+        the prefix was marked recently used when its last chunk was considered."""
+        if done <= tr.stored_upto:
+            return []
         jobs: list[StoreJob] = []
         C = self.chunk_size
         local_open = [idx.num_slots > 0 for idx in self.local]
