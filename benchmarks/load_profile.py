@@ -4,8 +4,9 @@ Run on the H200 (``bash compat/gpulane/bench.sh profile``): one engine with the 
 tier (``gpu_ttft``'s model and sizing), its first hit, then per prompt length a cold request and
 ``--repeats`` warm ones, each warm one with ``cProfile`` on only while vLLM's thread is inside
 the connector's hooks that a warm hit passes (the lookup, the fetch, the claim, the load, the
-metadata).  Per length: the seconds in each hook and the functions that took the most
-(own time and with callees), as JSON with the machine and versions.
+metadata), then ``--repeats`` cold ones of new prompts the same way (the stores' issue: the
+``store`` hook).  Per length and kind: the seconds in each hook and the functions that took the
+most (own time and with callees), as JSON with the machine and versions.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ HOOKS = (("vllm_kvplugin.connector.scheduler", "SchedulerSide", "get_num_new_mat
          ("vllm_kvplugin.connector.scheduler", "SchedulerSide", "update_connector_output"),
          ("vllm_kvplugin.connector.worker", "WorkerSide", "_fetch"),
          ("vllm_kvplugin.connector.worker", "WorkerSide", "_load"),
-         ("vllm_kvplugin.connector.worker", "WorkerSide", "take_meta"))
+         ("vllm_kvplugin.connector.worker", "WorkerSide", "take_meta"),
+         ("vllm_kvplugin.connector.worker", "WorkerSide", "store"))
 
 
 class HookProfile:
@@ -96,8 +98,14 @@ def child(args) -> dict:
         probe.once(p)  # the first warm one (its stores' acknowledgements)
         hp.take(0)
         warm = [probe.once(p)[0] for _ in range(args.repeats)]
-        rows.append({"prompt_tokens": n, "warm_s": [round(w, 4) for w in warm], "repeats": args.repeats,
-                     **hp.take(args.top)})
+        rows.append({"prompt_tokens": n, "kind": "warm", "ttft_s": [round(w, 4) for w in warm],
+                     "repeats": args.repeats, **hp.take(args.top)})
+        cold = []
+        for i in range(args.repeats):
+            cold.append(probe.once(tokens(n, 5 * 10**6 + 1000 * n + i))[0])
+            time.sleep(probe.settle_s)  # its stores finished before the next one
+        rows.append({"prompt_tokens": n, "kind": "cold", "ttft_s": [round(w, 4) for w in cold],
+                     "repeats": args.repeats, **hp.take(args.top)})
     return {"rows": rows}
 
 
@@ -127,7 +135,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for row in doc["rows"]:
-        print(row["prompt_tokens"], row["warm_s"], row["hook_s"])
+        print(row["prompt_tokens"], row["kind"], row["ttft_s"], row["hook_s"])
         for name, calls, s in row["by_own_s"][:12]:
             print(f"   {s:9.5f} {calls:6d} {name}")
     return 0

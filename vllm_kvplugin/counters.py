@@ -19,7 +19,8 @@ and worker in one process never reports a counter twice:
 * worker: ``loaded_tokens``, ``loaded_bytes``, ``stored_tokens``,
   ``stored_bytes``, ``load_seconds``, ``store_seconds``,
   ``server_store_errors``, ``server_store_skipped`` (server objects of a step that
-  found no room in the worker's staging memory), ``stores_cancelled`` (objects not stored
+  found no room in the worker's staging memory), ``server_store_direct`` (server objects the
+  GPU copied straight into the server's pool, digested on the device), ``stores_cancelled`` (objects not stored
   because a load of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
   verification failed before its claim counts here too).
 
@@ -43,7 +44,8 @@ SCHEDULER_FIELDS = (
 )
 WORKER_FIELDS = (
     "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",
-    "load_seconds", "store_seconds", "server_store_errors", "server_store_skipped", "stores_cancelled",
+    "load_seconds", "store_seconds", "server_store_errors", "server_store_skipped", "server_store_direct",
+    "stores_cancelled",
 )
 FAILURES = "load_failures"
 

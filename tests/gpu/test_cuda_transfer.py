@@ -324,6 +324,30 @@ def test_store_pieces_are_paced():
     assert torch.equal(_bits(torch.cat(bufs)), _bits(want))
 
 
+def test_settle_waits_for_every_queued_store_piece():
+    """``settle`` (after a store failed while it was issued, before its memory is reused):
+    two stores' pieces still queued behind a slow "forward" are all issued and done when it
+    returns, and the bytes are the reference's."""
+    gen = torch.Generator().manual_seed(28)
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()), store_zero_copy_max_bytes=-1,
+                       dma_piece_bytes=1, dma_window=1)
+    case, layout, layers = _layout("v026-nhd", gen)
+    cases = []
+    for _ in range(2):
+        slots = _slots(layout, 4, 64, gen)
+        _, bufs = _host_bufs(layout, 4, 64, gen)
+        cases.append((slots, bufs, _reference_chunks(layout, layers, slots, bufs)))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(5 * SLEEP_CYCLES)  # the "forward": no gather, so no piece, can finish meanwhile
+    jobs = [(eng.store(layout, layers, slots, bufs), bufs, want) for slots, bufs, want in cases]
+    assert not eng._paced.idle()
+    eng.settle()
+    assert eng._paced.idle()
+    for ticket, bufs, want in jobs:
+        assert ticket.job.event.query() and all(e.query() for e in ticket.events)
+        assert torch.equal(_bits(torch.cat(bufs)), _bits(want))
+
+
 def test_out_of_range_slot_raises_before_anything_moves():
     gen = torch.Generator().manual_seed(26)
     eng = _engine("staged")

@@ -90,6 +90,8 @@ def test_seed_method_on_gpu_through_the_server(model, server):
     s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 0, "server": server.address})
     assert s["server_hit_tokens"] == s["hit_tokens"] > 0
     assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
+    # every object went straight into the pool, its checksum the device's digest of its bytes
+    assert s["server_store_direct"] > 0 and s["server_store_errors"] == 0, s
 
 
 def test_repeat_after_the_engine_went_idle_hits(model):
@@ -326,6 +328,58 @@ def test_an_engine_shut_down_lets_go_of_its_worker_and_the_server_pool(model, se
             assert r.token_ids == want and r.num_cached_tokens == 8 * CHUNK
             assert vllm_kvplugin.stats()["load_failures"] == {}
             assert [t for _, t in probe.loads] == [8 * CHUNK]  # its target blocks poisoned first
+        finally:
+            shutdown(llm)
+
+
+@pytest.mark.parametrize("fault", ["no_digest", "issue_fails"])
+def test_a_store_into_the_pool_that_cannot_vouch_for_its_bytes_is_not_published(model, server, fault, monkeypatch):
+    """Server objects the GPU copies straight into the shared pool: ``no_digest`` - the device's
+    digests of a store go missing, so nothing vouches for the bytes the engine computed (the
+    pool's are never hashed); ``issue_fails`` - the store call fails after its copies into the
+    pool were issued, so its reservations are aborted only once those copies are done.  Either
+    way nothing is published: the repeat, on poisoned KV, misses the server and is right; with
+    the fault gone, the next store is published and the one after that hits in full."""
+    from vllm_kvplugin.transfer import cuda_stores
+
+    p = prompt(8 * CHUNK + 10, seed=71)
+    kw = dict(budget=8 * CHUNK, max_model_len=12_000, kv_bytes=1 << 30)
+    want = _reference(model, p, **kw)
+    counters.STATS.reset()
+    orig_checksums, orig_store = cuda_stores.StorePath.checksums, cuda_stores.StorePath.store
+
+    def failing_store(self, *a):
+        orig_store(self, *a)  # its gathers and DMAs into the pool issued
+        raise RuntimeError("fault injected after the store's copies were issued")
+
+    if fault == "no_digest":
+        monkeypatch.setattr(cuda_stores.StorePath, "checksums", lambda self, ticket: {})
+    else:
+        monkeypatch.setattr(cuda_stores.StorePath, "store", failing_store)
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address}, **kw)
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+            s = vllm_kvplugin.stats()
+            assert s["server_store_direct"] >= 8 and s["server_store_errors"] >= 1, s
+            probe.poison_all_blocks(seed=5)
+            llm.reset_prefix_cache()
+            r = generate(llm, [p])[0]
+            assert r.token_ids == want and r.num_cached_tokens == 0, r.num_cached_tokens
+            assert vllm_kvplugin.stats()["server_hit_tokens"] == 0
+            monkeypatch.setattr(cuda_stores.StorePath, "checksums", orig_checksums)
+            monkeypatch.setattr(cuda_stores.StorePath, "store", orig_store)
+            llm.reset_prefix_cache()
+            assert generate(llm, [p])[0].token_ids == want  # stored now
+            assert probe.worker.finisher.drain(30)
+            probe.poison_all_blocks(seed=6)
+            llm.reset_prefix_cache()
+            r = generate(llm, [p])[0]
+            assert r.token_ids == want and r.num_cached_tokens == 8 * CHUNK
+            assert [t for _, t in probe.loads] == [8 * CHUNK]  # its target blocks poisoned first
+            assert vllm_kvplugin.stats()["load_failures"] == {}
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
         finally:
             shutdown(llm)
 

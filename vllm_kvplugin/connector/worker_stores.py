@@ -8,6 +8,11 @@ gathers and copies and returns while they may still be in flight; the finisher t
 :meth:`StorePath._finish` once they are done (checksums, headers, the server's commit).  Nothing
 stored is visible before that; a store of metadata built before a failed load was known is
 dropped whole (the provenance rule).
+
+Server objects: on a GPU whose store calls are digested on the device, the DMAs land straight
+in the server's page-locked pool, and the checksum is the device's digest of the bytes vLLM
+computed; otherwise they are gathered into private memory, hashed there, then copied into the
+pool (``transfer/host_buffers.py`` says why the pool's own bytes are never hashed).
 """
 
 from __future__ import annotations
@@ -46,16 +51,24 @@ class StorePath:
         keys = [j.key for j in jobs]
         local = [j for j in jobs if j.slot >= 0]
         remote = self._reserve([j for j in jobs if j.to_server])
+        tickets, private = [], None
         try:
-            tickets = []
-            # server objects are gathered into this process's own memory (transfer/host_buffers.py)
-            sources, private = [], None
-            if remote:
-                sources, private = self._private.take_slices([t.payload.numel() for t in remote])
-                if len(sources) < len(remote):  # no room for the rest: not sent (never waited for)
-                    skipped, remote = remote[len(sources):], remote[:len(sources)]
+            # server objects go straight into the pool where the device digests them, else are
+            # gathered into this process's own memory (transfer/host_buffers.py) and hashed there
+            direct = self._direct_groups(local, remote)
+            via = [t for t in remote if t.job.group not in direct]
+            slices: list[torch.Tensor] = []
+            if via:
+                slices, private = self._private.take_slices([t.payload.numel() for t in via])
+                if len(slices) < len(via):  # no room for the rest: not sent (never waited for)
+                    skipped = via[len(slices):]
                     counters.WORKER.add(server_store_skipped=len(skipped))
                     self.server.abort([t.oid for t in skipped])
+                    remote = [t for t in remote if t.job.group in direct] + via[:len(slices)]
+            if direct:
+                counters.WORKER.add(server_store_direct=sum(t.job.group in direct for t in remote))
+            it = iter(slices)
+            sources = [t.payload if t.job.group in direct else next(it) for t in remote]
             for g, spec in enumerate(self.groups):
                 targets: list[tuple[StoreJob, torch.Tensor]] = []
                 for job in local:
@@ -75,33 +88,41 @@ class StorePath:
                 tickets.append(self.engine.store(self.layouts[g], self.layers[g], slots, [t for _, t in targets]))
         except Exception:
             logger.exception("vllm-kvplugin: store of %d objects failed", len(jobs))
+            settled = self._settle_after_failure()
             self._fail_local(local)
             self.finisher.acknowledge(keys)
             if remote and self.server is not None:
                 counters.WORKER.add(server_store_errors=1)
-                self.server.abort([t.oid for t in remote])
-            if private is not None:
-                self._give_back_after_failure(private, tickets)
+                if settled:  # else the server takes the room back once the reservation lapses
+                    self.server.abort([t.oid for t in remote])
+            if private is not None and settled:
+                self._private.give(private)
             return
         self.finisher.submit(PendingStore(tickets, local, remote, keys, t0, sources, private))
 
-    def _give_back_after_failure(self, private: torch.Tensor, tickets: list) -> None:
-        """Staging room of a store that failed while it was issued: back once the device has
-        finished every copy issued before the failure (which may still write it; the tickets'
-        paced copies issued first); kept out of use for good when even that cannot be known."""
+    def _direct_groups(self, local: list[StoreJob], remote: list[ServerTarget]) -> set[int]:
+        """The groups whose server objects the device copies straight into the page-locked pool:
+        those whose store call the device digests whole (the digest is of the bytes computed, so
+        the shared pool's bytes are never hashed); a recurrent group's state is read on the host."""
+        if not remote or not self.server.page_locked:
+            return set()
+        calls: dict[int, int] = {}
+        for j in [*local, *(t.job for t in remote)]:
+            calls[j.group] = calls.get(j.group, 0) + self.groups[j.group].object_bytes(self.chunk_size)
+        return {g for g, nbytes in calls.items()
+                if self.groups[g].kind is not GroupKind.RECURRENT and self.engine.digests_store(nbytes)}
+
+    def _settle_after_failure(self) -> bool:
+        """After a store failed while it was issued: True once the device has finished every copy
+        issued or queued before the failure (which may still write the local tier, staging memory
+        or the pool); False when even that cannot be known (the memory is then kept out of use)."""
         try:
-            for t in tickets:
-                try:
-                    self.engine.wait(t)
-                except RuntimeError:
-                    pass  # a DMA that failed to issue writes nothing
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self.engine.settle()
         except Exception:
-            logger.exception("vllm-kvplugin: %d bytes of server staging memory are kept out of use",
-                             private.numel())
-            return
-        self._private.give(private)
+            logger.exception("vllm-kvplugin: a failed store's copies cannot be waited for; its staging "
+                             "memory and server room are kept out of use")
+            return False
+        return True
 
     def _fail_local(self, jobs: Sequence[StoreJob]) -> None:
         for j in jobs:
@@ -160,16 +181,31 @@ class StorePath:
         return [(j.group, j.slot) for j in entry.local], []
 
     def _publish(self, remote: list[ServerTarget], sources: list[torch.Tensor], known: dict[int, int]) -> int:
-        """Each object hashed in this process's own memory (``sources``; or on the device, before
-        its copy to there: ``known``, by address), then copied into the server's pool, its header
-        written, and all committed: the objects become visible only now, and a checksum vouches
-        for the bytes this worker computed, not for the pool's."""
+        """Each object's checksum: the device's digest of the bytes it computed (``known``, by
+        address), or hashed in this process's own memory (``sources``) and then copied into the
+        server's pool; its header written, and all committed: the objects become visible only
+        now, and a checksum vouches for the bytes this worker computed, never for the pool's.
+        An object copied straight into the pool (its source is its pool room) without a device
+        digest is not published."""
         if not remote:
             return 0
+        direct = [s.data_ptr() == t.payload.data_ptr() for t, s in zip(remote, sources)]
+        keep = [i for i, (d, s) in enumerate(zip(direct, sources)) if not d or s.data_ptr() in known]
+        if len(keep) < len(remote):
+            lost = [remote[i].oid for i in range(len(remote)) if i not in set(keep)]
+            counters.WORKER.add(server_store_errors=1)
+            logger.warning("vllm-kvplugin: %d objects copied into the server's pool have no device digest; "
+                           "not published", len(lost))
+            self.server.abort(lost)
+            remote, sources, direct = [remote[i] for i in keep], [sources[i] for i in keep], [direct[i] for i in keep]
         payloads = [bytes_of(s) for s in sources]
         try:
-            checksums = hash_then_copy(payloads, [bytes_of(t.payload) for t in remote],
-                                       [known.get(s.data_ptr()) for s in sources])
+            via = [i for i, d in enumerate(direct) if not d]
+            checksums = [known.get(s.data_ptr()) for s in sources]
+            hashed = hash_then_copy([payloads[i] for i in via], [bytes_of(remote[i].payload) for i in via],
+                                    [checksums[i] for i in via])
+            for i, c in zip(via, hashed):
+                checksums[i] = c
             for t, payload, checksum in zip(remote, payloads, checksums):
                 header = ChunkHeader.for_payload(self._expect(t.job.group, t.job.key, t.job.position),
                                                  payload, checksum)

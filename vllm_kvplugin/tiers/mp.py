@@ -239,6 +239,12 @@ class ServerStore:
                 self._client.unmap_unused()  # the old pool goes now, unless views of it are still out
         return self._tensor
 
+    @property
+    def page_locked(self) -> bool:
+        """The pool's current mapping (that of the views the last call made) is page-locked:
+        the GPU may copy straight into it."""
+        return self._tensor is not None and self._tensor.data_ptr() in self._registered
+
     def object_id(self, key: bytes, group: int) -> bytes:
         from vllm_kvplugin.server.protocol import object_id
 

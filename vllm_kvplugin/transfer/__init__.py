@@ -16,6 +16,8 @@ Contract, for the worker (one thread, vLLM's worker thread):
 * :meth:`TransferEngine.pump` may be called from any thread at any time, often
   (vLLM's thread at every attention layer): it issues more of the stores' queued
   copies and returns at once.  :meth:`TransferEngine.wait` pumps as well.
+* :meth:`TransferEngine.settle` returns once every copy issued or queued so far is done (a
+  store that failed while it was issued: its memory may be reused after that).
 * :meth:`TransferEngine.load` returns when the chunk bytes are in the paged
   cache as far as the compute stream is concerned (attention issued after
   the call reads them).
@@ -27,7 +29,9 @@ Contract, for the worker (one thread, vLLM's worker thread):
 * :meth:`TransferEngine.digest` starts the payload digests of a prefetch's rows on the device
   (a :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`; None: the host must verify them),
   and :meth:`TransferEngine.checksums` gives those a done store computed of the buffers it
-  wrote (host buffer address -> digest; the rest are the host's to hash).
+  wrote (host buffer address -> digest; the rest are the host's to hash), and
+  :meth:`TransferEngine.digests_store` says beforehand whether a store call of whole chunks
+  moving ``nbytes`` gets a digest of every buffer it writes.
 * :meth:`TransferEngine.warm_up` runs at registration, so that a first hit pays
   no first-use costs (kernel loading, streams, staging).
 
@@ -58,6 +62,8 @@ class TransferEngine(Protocol):
 
     def fence(self) -> None: ...
 
+    def settle(self) -> None: ...
+
     def pump(self) -> None: ...
 
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None: ...
@@ -69,6 +75,8 @@ class TransferEngine(Protocol):
     def digest(self, pre: Any) -> Any: ...
 
     def checksums(self, ticket: Any) -> dict[int, int]: ...
+
+    def digests_store(self, nbytes: int) -> bool: ...
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...

@@ -32,6 +32,9 @@ class CpuTransfer:
     def fence(self) -> None:
         return None
 
+    def settle(self) -> None:
+        return None  # copies are done when issued
+
     def pump(self) -> None:
         return None  # copies are done when issued
 
@@ -49,6 +52,9 @@ class CpuTransfer:
 
     def checksums(self, ticket: None) -> dict[int, int]:
         return {}  # the host hashes what it stored
+
+    def digests_store(self, nbytes: int) -> bool:
+        return False
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor], staged=None) -> None:

@@ -62,6 +62,11 @@ class StorePath:
             return {}
         return {b.data_ptr(): d for b, d in zip(ticket.digested, ticket.digests.result())}
 
+    def digests_store(self, nbytes: int) -> bool:
+        """Whether a store of whole chunks (no skipped token) moving ``nbytes`` in one call is
+        staged and digested: ``checksums`` of its ticket then covers every buffer it wrote."""
+        return self.digests and nbytes > self.store_zc_max
+
     def _store_zero_copy(self, layout, layers, slots, bufs) -> torch.cuda.Event:
         """One kernel writes the chunks into the host buffers (after ``ready``)."""
         with torch.cuda.stream(self._kern):
@@ -129,6 +134,12 @@ class StorePath:
                 raise RuntimeError(f"vllm-kvplugin transfer: a store's DMA failed: {job.error}") from job.error
         for e in ticket.events:
             e.synchronize()
+
+    def settle(self) -> None:
+        """Until every copy issued or queued so far is done (its paced DMAs issued first):
+        after a store failed while it was issued, its memory may then be reused."""
+        self._paced.drain_all()
+        torch.cuda.synchronize(self.device)
 
     def fence(self) -> None:
         """The compute stream waits until every issued store has read its blocks."""

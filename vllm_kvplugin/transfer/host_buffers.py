@@ -6,7 +6,9 @@ it is hashed: a writer that stalled past its reservation may still be copying in
 server has since given to another writer.  So a worker gathers its server objects into a
 buffer only its own process maps, hashes them there, and only then copies them into the pool
 (:func:`vllm_kvplugin.chunk.checksums.hash_then_copy`); a byte changed in the pool after that
-fails the checksum at the load and is recomputed.
+fails the checksum at the load and is recomputed.  (On a GPU that digests a store's bytes before
+their DMA, the checksum already vouches for the computed bytes: those objects are copied straight
+into the pool and never pass through here.)
 
 The buffers are ranges of one slab allocated at start-up (page-locked on a GPU machine): page-
 locking gigabytes takes about a second per gigabyte, which must never fall inside an engine

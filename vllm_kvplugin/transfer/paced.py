@@ -13,7 +13,8 @@ Who calls what:
   ``window`` are on the copy engine: vLLM's thread calls it at every hook it passes (each
   attention layer, a step's start and end), the store finisher through :meth:`drain`;
 * :meth:`PacedCopies.drain` (the finisher waiting for a ticket; the engine before it reuses a
-  staging buffer) sleeps on the oldest piece's event and pumps until a job is fully issued.
+  staging buffer) sleeps on the oldest piece's event and pumps until a job is fully issued;
+  :meth:`PacedCopies.drain_all` does so for every job queued (a store that failed while issued).
 
 Jobs are issued in submission order, on one stream, under one lock.  A piece that fails to issue
 fails its job (``error``), and the queue goes on.
@@ -112,6 +113,13 @@ class PacedCopies:
             if head is not None:
                 head.synchronize()
             self.pump()
+
+    def drain_all(self) -> None:
+        """Until every job submitted so far is fully issued (they go in order)."""
+        with self._lock:
+            last = self._jobs[-1] if self._jobs else None
+        if last is not None:
+            self.drain(last)
 
     def queued(self) -> int:
         """Pieces on the copy engine now (tests)."""
