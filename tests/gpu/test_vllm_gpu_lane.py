@@ -352,13 +352,13 @@ def test_a_store_into_the_pool_that_cannot_vouch_for_its_bytes_is_not_published(
         orig_store(self, *a)  # its gathers and DMAs into the pool issued
         raise RuntimeError("fault injected after the store's copies were issued")
 
-    if fault == "no_digest":
-        monkeypatch.setattr(cuda_stores.StorePath, "checksums", lambda self, ticket: {})
-    else:
-        monkeypatch.setattr(cuda_stores.StorePath, "store", failing_store)
     with Probe().installed() as probe:
         llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address}, **kw)
-        try:
+        try:  # the fault from now on (the engine's warm-up at registration stores too)
+            if fault == "no_digest":
+                monkeypatch.setattr(cuda_stores.StorePath, "checksums", lambda self, ticket: {})
+            else:
+                monkeypatch.setattr(cuda_stores.StorePath, "store", failing_store)
             assert generate(llm, [p])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
             s = vllm_kvplugin.stats()
