@@ -56,8 +56,9 @@ FIELDS: tuple[FieldDoc, ...] = (
     FieldDoc("server_staging_bytes", (int, type(None)), None,
              "Host memory of each worker (page-locked on GPU machines, allocated at start-up) where "
              "a step's server objects are gathered and hashed before they are copied into the "
-             "server's shared pool. Objects of a step beyond what is free are not sent to the server "
-             "(counted: `server_store_skipped`). Unset: four times the KV of one full step "
+             "server's shared pool (on a GPU that digests its stores, most objects skip it: they are "
+             "copied straight into the pool, counted as `server_store_direct`). Objects of a step "
+             "beyond what is free are not sent to the server (counted: `server_store_skipped`). Unset: four times the KV of one full step "
              "(`max_num_batched_tokens` plus a chunk), within 1 and 16 GiB."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the payload checksum (segmented xxh3) of every chunk before it reaches the KV cache; "
