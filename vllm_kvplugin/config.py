@@ -58,8 +58,9 @@ FIELDS: tuple[FieldDoc, ...] = (
              "a step's server objects are gathered and hashed before they are copied into the "
              "server's shared pool (on a GPU that digests its stores, most objects skip it: they are "
              "copied straight into the pool, counted as `server_store_direct`). Objects of a step "
-             "beyond what is free are not sent to the server (counted: `server_store_skipped`). Unset: four times the KV of one full step "
-             "(`max_num_batched_tokens` plus a chunk), within 1 and 16 GiB."),
+             "beyond what is free are not sent to the server (counted: `server_store_skipped`). "
+             "Unset: four times the KV of one full step (`max_num_batched_tokens` plus a chunk), "
+             "within 1 and 16 GiB."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the payload checksum (segmented xxh3) of every chunk before it reaches the KV cache; "
              "on a GPU it is computed there, over the bytes copied."),

@@ -20,8 +20,8 @@ and worker in one process never reports a counter twice:
   ``stored_bytes``, ``load_seconds``, ``store_seconds``,
   ``server_store_errors``, ``server_store_skipped`` (server objects of a step that
   found no room in the worker's staging memory), ``server_store_direct`` (server objects the
-  GPU copied straight into the server's pool, digested on the device), ``stores_cancelled`` (objects not stored
-  because a load of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
+  GPU copied straight into the server's pool, digested on the device), ``stores_cancelled``
+  (objects not stored because a load of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
   verification failed before its claim counts here too).
 
 Each connector hands vLLM the *delta* of its own set every step

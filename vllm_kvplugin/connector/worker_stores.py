@@ -192,7 +192,8 @@ class StorePath:
         direct = [s.data_ptr() == t.payload.data_ptr() for t, s in zip(remote, sources)]
         keep = [i for i, (d, s) in enumerate(zip(direct, sources)) if not d or s.data_ptr() in known]
         if len(keep) < len(remote):
-            lost = [remote[i].oid for i in range(len(remote)) if i not in set(keep)]
+            kept = set(keep)
+            lost = [t.oid for i, t in enumerate(remote) if i not in kept]
             counters.WORKER.add(server_store_errors=1)
             logger.warning("vllm-kvplugin: %d objects copied into the server's pool have no device digest; "
                            "not published", len(lost))
