@@ -340,6 +340,7 @@ def test_a_store_into_the_pool_that_cannot_vouch_for_its_bytes_is_not_published(
     pool were issued, so its reservations are aborted only once those copies are done.  Either
     way nothing is published: the repeat, on poisoned KV, misses the server and is right; with
     the fault gone, the next store is published and the one after that hits in full."""
+    from vllm_kvplugin.tiers import mp
     from vllm_kvplugin.transfer import cuda_stores
 
     p = prompt(8 * CHUNK + 10, seed=71)
@@ -359,8 +360,14 @@ def test_a_store_into_the_pool_that_cannot_vouch_for_its_bytes_is_not_published(
                 monkeypatch.setattr(cuda_stores.StorePath, "checksums", lambda self, ticket: {})
             else:
                 monkeypatch.setattr(cuda_stores.StorePath, "store", failing_store)
+            settled_at_abort = []  # each abort: were the store's paced DMAs all issued by then?
+            orig_abort = mp.ServerStore.abort
+            monkeypatch.setattr(mp.ServerStore, "abort", lambda self, oids: settled_at_abort.append(
+                probe.worker.engine._paced.idle()) or orig_abort(self, oids))
             assert generate(llm, [p])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
+            assert settled_at_abort and all(settled_at_abort), settled_at_abort
+            monkeypatch.setattr(mp.ServerStore, "abort", orig_abort)
             s = vllm_kvplugin.stats()
             assert s["server_store_direct"] >= 8 and s["server_store_errors"] >= 1, s
             probe.poison_all_blocks(seed=5)
