@@ -59,8 +59,9 @@ FIELDS: tuple[FieldDoc, ...] = (
              "server's shared pool (on a GPU that digests its stores, most objects skip it: they are "
              "copied straight into the pool, counted as `server_store_direct`). Objects of a step "
              "beyond what is free are not sent to the server (counted: `server_store_skipped`). "
-             "Unset: four times the KV of one full step (`max_num_batched_tokens` plus a chunk), "
-             "within 1 and 16 GiB."),
+             "Unset: four times the KV of one full step (`max_num_batched_tokens` plus a chunk) "
+             "that passes through it, within 1 and 16 GiB; on a GPU that digests its stores only "
+             "calls of at most 4 MiB a group and recurrent states pass, so at least 64 MiB."),
     FieldDoc("verify_checksums", (bool,), True,
              "Check the payload checksum (segmented xxh3) of every chunk before it reaches the KV cache; "
              "on a GPU it is computed there, over the bytes copied."),

@@ -92,6 +92,8 @@ def test_seed_method_on_gpu_through_the_server(model, server):
     assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
     # every object went straight into the pool, its checksum the device's digest of its bytes
     assert s["server_store_direct"] > 0 and s["server_store_errors"] == 0, s
+    # so the private staging slab is sized for the small calls only (its floor), not for whole steps
+    assert s["private_staging_bytes"] == 64 << 20 and s["server_store_skipped"] == 0, s
 
 
 def test_repeat_after_the_engine_went_idle_hits(model):
@@ -432,7 +434,8 @@ def _seed_method_on_gpu(model: str, backend: str, tier: dict) -> dict:
             assert not problems, problems
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
             assert vllm_kvplugin.stats()["load_failures"] == {}
-            return vllm_kvplugin.stats()
+            private = probe.worker._private
+            return {**vllm_kvplugin.stats(), "private_staging_bytes": private.capacity if private else 0}
         finally:
             shutdown(llm)
 

@@ -70,6 +70,21 @@ def test_kinds_and_objects():
     assert wide.window == 163 and wide.window_tail == 256
 
 
+def test_what_one_object_covers_and_where_it_is_copied():
+    """Each kind's tokens and blocks, written out by hand for a request's block table (block 128,
+    chunk 256: two blocks a chunk; the window's tail is one block)."""
+    full, win, rec = specs(Group(FullAttentionSpec()), Group(SlidingWindowSpec()), Group(MambaSpec(block_size=128)))
+    table = [10, 11, 12, 13, 14, 15]  # blocks of tokens 0-127, 128-255, ...
+    assert (full.is_state, win.is_state, rec.is_state) == (False, False, True)
+    assert (full.restores_prefix, win.restores_prefix, rec.restores_prefix) == (True, False, False)
+    assert full.object_tokens(1, 256) == (256, 512) and full.object_blocks(table, 1, 256) == (12, 13)
+    assert win.object_tokens(1, 256) == (384, 512) and win.object_blocks(table, 1, 256) == (13,)
+    # a state covers the prefix up to its chunk's end; it is copied into the block at the hit
+    assert rec.object_tokens(1, 256) == (0, 512)
+    assert rec.object_blocks(table, 1, 256, hit_end=512) == (13,)
+    assert rec.object_blocks(table, 0, 256, hit_end=256) == (11,)
+
+
 def test_unknown_spec_is_refused_naming_it():
     with pytest.raises(LayoutError, match="ChunkedLocalAttentionSpec.*supported: FullAttentionSpec"):
         specs(Group(ChunkedLocalAttentionSpec()))

@@ -56,10 +56,9 @@ from vllm_kvplugin.connector.metadata import (
 )
 from vllm_kvplugin.connector.scheduler_lone import LoneFetch
 from vllm_kvplugin.connector.scheduler_stores import StoreDecisions
-from vllm_kvplugin.connector.tracker import Fetch, RequestTracker, object_blocks
+from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 from vllm_kvplugin.connector.verdicts import open_box
 from vllm_kvplugin.layout.build import LayoutError
-from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.planner import LoadPlan, ObjectLoad, max_loadable_tokens, plan_load
 from vllm_kvplugin.tiers.local_cpu import LocalIndex, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerIndex, TierTrouble
@@ -87,7 +86,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             if why:
                 raise LayoutError(f"vllm-kvplugin: {g.describe()}: {why}")
         self.chunk_size = cfg.resolve_chunk_size([g.block_size for g in self.groups])
-        self.state_groups = [g for g in self.groups if g.kind is GroupKind.RECURRENT]
+        self.state_groups = [g for g in self.groups if g.is_state]
         #: a speculative drafter's last row of a chunk saw the next token: as vLLM does, a hit
         #: leaves the drafter its last chunk to recompute
         self.drafter = any(g.drafter for g in self.groups)
@@ -323,8 +322,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             plan = self._shrink(plan, num_external_tokens)
         block_ids = [list(b) for b in blocks.get_block_ids()]
         jobs = [LoadJob(tr.keys[o.position], o.position, o.group,
-                        object_blocks(self.groups[o.group], block_ids[o.group], o.position, self.chunk_size,
-                                      plan.end), o.lo, o.hi)
+                        self.groups[o.group].object_blocks(block_ids[o.group], o.position, self.chunk_size, plan.end),
+                        o.lo, o.hi)
                 for o in plan.objects]
         self._pending_loads.append(LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens))
         served = sum(self.server_object_bytes[j.group] for j in f.jobs) if f.lease else 0
@@ -337,7 +336,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
 
     def _shrink(self, plan: LoadPlan, tokens: int) -> LoadPlan:
         """vLLM granted fewer tokens than planned: load exactly those (prefix groups only)."""
-        if any(g.kind is not GroupKind.ATTENTION and g.kind is not GroupKind.MLA for g in self.groups):
+        if not all(g.restores_prefix for g in self.groups):
             raise RuntimeError(f"vllm-kvplugin: vLLM granted {tokens} of the {plan.num_tokens} planned "
                                "tokens of a hybrid model's hit; only the planned hit can be restored")
         end = plan.start + tokens
@@ -400,7 +399,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             return
         for job in load.jobs:
             spec = self.groups[job.group]
-            if spec.kind is GroupKind.RECURRENT:
+            if spec.is_state:
                 col = -(-(tr.num_computed + n_sched) // spec.block_size) - 1
                 block = tr.block_ids[job.group][col]
                 if block not in job.block_ids:

@@ -28,7 +28,6 @@ from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.keys import chunk_keys
 from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest
 from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
-from vllm_kvplugin.layout.descriptor import GroupKind
 
 #: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
 #: verdict; a 64k-token hit of an 8B model (9.7 GB) is copied and verified in ~0.18 s on an H200.
@@ -83,7 +82,7 @@ class LoneFetch:
         that restore every chunk of a prefix (attention, MLA), no store of this engine's still
         unacknowledged (a lookup would wait for those), and a hit long enough for two parts."""
         if (FIRST_PART_CHUNKS <= 0 or self.server is not None or self._storing
-                or any(g.kind not in (GroupKind.ATTENTION, GroupKind.MLA) for g in self.groups)
+                or not all(g.restores_prefix for g in self.groups)
                 or any(idx.num_slots == 0 for idx in self.local) or _common.skips_prefix_cache(request)
                 or self._alone(request.request_id) is None):
             return 0

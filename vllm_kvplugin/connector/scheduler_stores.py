@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from vllm_kvplugin import counters
 from vllm_kvplugin.connector.metadata import StoreJob
-from vllm_kvplugin.connector.tracker import RequestTracker, object_blocks
-from vllm_kvplugin.layout.descriptor import GroupKind
+from vllm_kvplugin.connector.tracker import RequestTracker
 from vllm_kvplugin.planner import max_loadable_tokens
 
 
@@ -34,7 +33,7 @@ class StoreDecisions:
             key = tr.keys[ci]
             to_server = self.server is not None and ci >= tr.server_hits
             for g, spec in enumerate(self.groups):
-                if spec.kind is GroupKind.RECURRENT:
+                if spec.is_state:
                     continue  # _state_jobs
                 idx, slot = self.local[g], -1
                 if local_open[g] and not idx.contains(key):
@@ -48,9 +47,9 @@ class StoreDecisions:
                             counters.SCHEDULER.add(evicted_bytes=evicted)
                         self._slot_chunk[(g, slot)] = ci
                 if slot >= 0 or to_server:
-                    end = (ci + 1) * C
-                    jobs.append(StoreJob(key, ci, g, object_blocks(spec, tr.block_ids[g], ci, C),
-                                         end - spec.stored_tokens(C), end, slot=slot, to_server=to_server))
+                    lo, hi = spec.object_tokens(ci, C)
+                    jobs.append(StoreJob(key, ci, g, spec.object_blocks(tr.block_ids[g], ci, C), lo, hi,
+                                         slot=slot, to_server=to_server))
                     self._storing[key] = self._storing.get(key, 0) + self.world_size
         tr.stored_upto = max(tr.stored_upto, done)
         for idx in self.local:

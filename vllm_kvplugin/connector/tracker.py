@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvplugin.connector.metadata import FetchJob
-from vllm_kvplugin.layout.descriptor import GroupKind
-from vllm_kvplugin.layout.groups import GroupSpec
 from vllm_kvplugin.planner import LoadPlan
 
 
@@ -46,14 +44,3 @@ class RequestTracker:
     waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
     server_lookup: Any = None  # the server lookup in flight (a Future), with the first chunk it asked from
     unkeyed: Any = None  # (ids, key extras) while only the first chunks are keyed (a lone request's lookup)
-
-
-def object_blocks(spec: GroupSpec, block_ids: list[int], position: int, chunk_size: int,
-                  hit_end: int = 0) -> tuple[int, ...]:
-    """The group's blocks covering what object ``position`` holds (recurrent: the state block
-    at ``hit_end``, the tokens after which the state is)."""
-    if spec.kind is GroupKind.RECURRENT:
-        return (block_ids[hit_end // spec.block_size - 1],)
-    end = (position + 1) * chunk_size
-    lo = end - spec.stored_tokens(chunk_size)
-    return tuple(block_ids[lo // spec.block_size:end // spec.block_size])

@@ -37,7 +37,6 @@ from vllm_kvplugin.chunk.checksums import (
     payload_checksums,
 )
 from vllm_kvplugin.chunk.format import (
-    HEADER_SIZE,
     ChunkError,
     ChunkExpect,
     dtype_name,
@@ -56,7 +55,6 @@ from vllm_kvplugin.connector.verdicts import find_box
 from vllm_kvplugin.connector.worker_fetch import FetchPath, Sent, _Verifying
 from vllm_kvplugin.connector.worker_stores import StorePath
 from vllm_kvplugin.layout import KVLayout, LayoutError, build_layout, certify
-from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.layout.state import (
     StateSource,
     certify_state,
@@ -154,7 +152,7 @@ class WorkerSide(FetchPath, StorePath):
         sources = self.adapter.describe_groups(self.vllm_config, self.kv_cache_config, kv_caches,
                                                self.vllm_version)
         for src, spec in zip(sources, self.groups):
-            if spec.kind is GroupKind.RECURRENT:
+            if spec.is_state:
                 state = self.adapter.describe_state(self.vllm_config, self.kv_cache_config, spec, kv_caches,
                                                     self.vllm_version)
                 check_state(spec, state)
@@ -180,7 +178,7 @@ class WorkerSide(FetchPath, StorePath):
                                       asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST,
                                       on_done=self._stores_finished)
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
-            if self.groups[g].kind is not GroupKind.RECURRENT:
+            if not self.groups[g].is_state:
                 self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
         payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2)  # the hashing threads
         num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
@@ -209,44 +207,48 @@ class WorkerSide(FetchPath, StorePath):
             self._attached = True
 
     def _staging_bytes(self) -> int:
-        """Room for the server objects of the stores in flight (``server_staging_bytes``; unset:
-        four full steps' objects -- the finisher may lag a few short steps behind -- within
-        1 and 16 GiB)."""
+        """Room for the server objects of the stores in flight that pass through private memory
+        (``server_staging_bytes``; unset: four full steps' worth -- the finisher may lag a few
+        short steps behind -- within 1 and 16 GiB).  Where the device digests its store calls,
+        only a group's call too small for that (at most ``undigested_store_max`` bytes a step)
+        and recurrent states pass through it; the rest go straight into the server's pool: then
+        at least 64 MiB (page-locking it at start-up costs ~1 s per GiB)."""
         if self.cfg.server_staging_bytes is not None:
             return self.cfg.server_staging_bytes
         C = self.chunk_size
-        per_chunk = sum(HEADER_SIZE + g.object_bytes(C) for g in self.groups)
-        step = (-(-_common.max_batched_tokens(self.vllm_config) // C) + 1) * per_chunk
-        return min(16 << 30, max(1 << 30, 4 * step))
+        chunks = -(-_common.max_batched_tokens(self.vllm_config) // C) + 1
+        cap = self.engine.undigested_store_max()
+        step = sum(chunks * g.object_bytes(C) if g.is_state or cap is None else min(chunks * g.object_bytes(C), cap)
+                   for g in self.groups)
+        return min(16 << 30, max(1 << 30 if cap is None else 64 << 20, 4 * step))
 
     @property
     def _token_group(self) -> int:
         """The group whose stored tokens ``stored_tokens`` counts (the first with tokens)."""
-        return next((g.index for g in self.groups if g.kind is not GroupKind.RECURRENT), -1)
+        return next((g.index for g in self.groups if not g.is_state), -1)
 
     def _dtype(self, g: int) -> torch.dtype:
-        return torch.uint8 if self.groups[g].kind is GroupKind.RECURRENT else self.layouts[g].dtype
+        return torch.uint8 if self.groups[g].is_state else self.layouts[g].dtype
 
     def _shape(self, g: int) -> tuple[int, ...]:
         """Payload shape of one object of group ``g`` (recurrent: ``[L, 1, 1, 1, state bytes]``)."""
         spec = self.groups[g]
-        if spec.kind is GroupKind.RECURRENT:
+        if spec.is_state:
             return (spec.num_layers, 1, 1, 1, spec.state_bytes // spec.num_layers)
         return self.layouts[g].chunk_shape(spec.stored_tokens(self.chunk_size))
 
     def object_slots(self, jobs: Sequence[LoadJob | StoreJob]) -> torch.Tensor:
         """``[C, T]`` paged slots of the objects of ``jobs`` (one group): tokens outside each
         job's ``[lo, hi)`` are -1."""
-        g = jobs[0].group
-        tokens = self.groups[g].stored_tokens(self.chunk_size)
-        firsts = [(j.position + 1) * self.chunk_size - tokens for j in jobs]
+        g, spec = jobs[0].group, self.groups[jobs[0].group]
+        tokens = spec.stored_tokens(self.chunk_size)
+        firsts = [spec.object_tokens(j.position, self.chunk_size)[0] for j in jobs]
         return token_slots([j.block_ids for j in jobs], self.layouts[g].block_size, tokens,
                            [j.lo - f for j, f in zip(jobs, firsts)], [j.hi - f for j, f in zip(jobs, firsts)])
 
     def _expect(self, g: int, key: bytes, position: int) -> ChunkExpect:
         spec = self.groups[g]
-        end = (position + 1) * self.chunk_size
-        start = 0 if spec.kind is GroupKind.RECURRENT else end - spec.stored_tokens(self.chunk_size)
+        start, end = spec.object_tokens(position, self.chunk_size)
         return ChunkExpect(self.fingerprint, key, int(spec.kind), dtype_name(self._dtype(g)), self._shape(g),
                            start, end, self.world, self.rank, g, spec.layers, spec.spec)
 
@@ -294,7 +296,7 @@ class WorkerSide(FetchPath, StorePath):
                     if src is None:
                         raise ChunkError("missing", f"chunk {j.position} of group {g} was not verified")
                     srcs.append(src)
-                if spec.kind is GroupKind.RECURRENT:  # one state, into the hit's block and the step's
+                if spec.is_state:  # one state, into the hit's block and the step's
                     for j, src in zip(jobs, srcs):
                         if not j.block_ids or not all(j.block_ids):
                             raise ChunkError("plan", f"state of chunk {j.position} into blocks {j.block_ids}")

@@ -34,7 +34,6 @@ from vllm_kvplugin.chunk.checksums import (
 )
 from vllm_kvplugin.chunk.format import ChunkError, check_chunk
 from vllm_kvplugin.connector.metadata import IDLE_WAIT_S, FetchJob, FetchRequest
-from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.tiers.local_cpu import bytes_of
 from vllm_kvplugin.tiers.mp import TierTrouble
 
@@ -302,7 +301,7 @@ class FetchPath:
         device (a CUDA cache) while their headers and payloads are checked: each prefetch into
         ``sent`` as soon as it is issued (so that it is released should a later one raise)."""
         for g, spec in enumerate(self.groups):
-            if spec.kind is GroupKind.RECURRENT:
+            if spec.is_state:
                 continue
             mine = [n for n in found if jobs[n].group == g]
             pre = self.engine.prefetch(self.layouts[g], [found[n] for n in mine]) if mine else None

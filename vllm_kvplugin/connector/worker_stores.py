@@ -28,7 +28,6 @@ from vllm_kvplugin.chunk.checksums import hash_then_copy, payload_checksums
 from vllm_kvplugin.chunk.format import HEADER_SIZE, ChunkHeader
 from vllm_kvplugin.connector.finisher import PendingStore
 from vllm_kvplugin.connector.metadata import KVPluginMetadata, StoreJob
-from vllm_kvplugin.layout.descriptor import GroupKind
 from vllm_kvplugin.layout.state import gather_state
 from vllm_kvplugin.tiers.local_cpu import bytes_of
 from vllm_kvplugin.tiers.mp import ServerTarget, TierTrouble
@@ -80,7 +79,7 @@ class StorePath:
                         targets.append((t.job, src.view(self._dtype(g)).view(1, *self._shape(g))))
                 if not targets:
                     continue
-                if spec.kind is GroupKind.RECURRENT:  # the state at the step's end, read now
+                if spec.is_state:  # the state at the step's end, read now
                     for job, t in targets:
                         gather_state(self.layers[g], job.block_ids[0], t.view(spec.num_layers, -1))
                     continue
@@ -104,13 +103,13 @@ class StorePath:
         """The groups whose server objects the device copies straight into the page-locked pool:
         those whose store call the device digests whole (the digest is of the bytes computed, so
         the shared pool's bytes are never hashed); a recurrent group's state is read on the host."""
-        if not remote or not self.server.page_locked:
+        cap = self.engine.undigested_store_max()
+        if not remote or cap is None or not self.server.page_locked:
             return set()
         calls: dict[int, int] = {}
         for j in [*local, *(t.job for t in remote)]:
             calls[j.group] = calls.get(j.group, 0) + self.groups[j.group].object_bytes(self.chunk_size)
-        return {g for g, nbytes in calls.items()
-                if self.groups[g].kind is not GroupKind.RECURRENT and self.engine.digests_store(nbytes)}
+        return {g for g, nbytes in calls.items() if not self.groups[g].is_state and nbytes > cap}
 
     def _settle_after_failure(self) -> bool:
         """After a store failed while it was issued: True once the device has finished every copy

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -64,6 +65,19 @@ class GroupSpec:
         return len(self.layer_names)
 
     @property
+    def is_state(self) -> bool:
+        """A chunk object is one state checkpoint (recurrent), not tokens' KV: stored only at the
+        chunk boundaries a step ends on, copied on the host into exactly the blocks a job names
+        (:mod:`.state`), never through the transfer engine or its token slots."""
+        return self.kind is GroupKind.RECURRENT
+
+    @property
+    def restores_prefix(self) -> bool:
+        """A hit restores every chunk from the prompt's start (attention, MLA), so any shorter
+        prefix of a hit is a hit too (vLLM may grant fewer tokens; a first part may be sent)."""
+        return self.kind in (GroupKind.ATTENTION, GroupKind.MLA)
+
+    @property
     def num_kv(self) -> int:
         return 1 if self.kind is GroupKind.MLA else 2
 
@@ -96,6 +110,21 @@ class GroupSpec:
             return min(chunk_size, self.window_tail)
         return chunk_size
 
+    def object_tokens(self, position: int, chunk_size: int) -> tuple[int, int]:
+        """The tokens ``[start, end)`` object ``position`` covers, as its header names them: a
+        state, the whole prefix up to its chunk's end; KV, its chunk's last ``stored_tokens``."""
+        end = (position + 1) * chunk_size
+        return (0, end) if self.is_state else (end - self.stored_tokens(chunk_size), end)
+
+    def object_blocks(self, block_ids: list[int], position: int, chunk_size: int,
+                      hit_end: int = 0) -> tuple[int, ...]:
+        """The blocks of ``block_ids`` (this group's, of one request) that object ``position``
+        is copied from or into (a state: the block at ``hit_end``, the tokens it follows)."""
+        if self.is_state:
+            return (block_ids[hit_end // self.block_size - 1],)
+        lo, end = self.object_tokens(position, chunk_size)
+        return tuple(block_ids[lo // self.block_size:end // self.block_size])
+
     def object_bytes(self, chunk_size: int) -> int:
         """Payload bytes of one chunk object of this group."""
         if self.kind is GroupKind.RECURRENT:
@@ -109,12 +138,12 @@ class GroupSpec:
             return GroupNeed(Need.WINDOW, window=max(1, -(-self.window_tail // chunk_size)))
         return GroupNeed(Need.PREFIX)
 
-    @property
+    @cached_property
     def layers(self) -> bytes:
-        """The chunk header's ``layers`` field."""
+        """The chunk header's ``layers`` field (a digest: kept, every object's header names it)."""
         return layers_digest(self.layer_names)
 
-    @property
+    @cached_property
     def spec(self) -> str:
         """The chunk header's ``spec`` field (recurrent groups: the state tensors)."""
         if self.kind is not GroupKind.RECURRENT:

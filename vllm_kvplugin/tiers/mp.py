@@ -159,7 +159,9 @@ def _page_lock(tensor) -> bool:
     if int(err) == 0:
         return True
     logger.warning("vllm-kvplugin: cudaHostRegister of the server pool (%d bytes at %#x) failed "
-                   "with CUDA error %d; copies run from pageable memory", tensor.numel(),
+                   "with CUDA error %d; copies run from pageable memory, and every server store "
+                   "passes through the worker's private staging memory (server_staging_bytes: objects "
+                   "beyond it are skipped, counted as server_store_skipped)", tensor.numel(),
                    tensor.data_ptr(), int(err))
     _clear_cuda_error()
     return False

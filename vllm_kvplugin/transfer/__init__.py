@@ -30,8 +30,8 @@ Contract, for the worker (one thread, vLLM's worker thread):
   (a :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`; None: the host must verify them),
   and :meth:`TransferEngine.checksums` gives those a done store computed of the buffers it
   wrote (host buffer address -> digest; the rest are the host's to hash), and
-  :meth:`TransferEngine.digests_store` says beforehand whether a store call of whole chunks
-  moving ``nbytes`` gets a digest of every buffer it writes.
+  :meth:`TransferEngine.undigested_store_max` says beforehand which store calls get a digest
+  of every buffer they write: those of whole chunks moving more bytes than it (None: none).
 * :meth:`TransferEngine.warm_up` runs at registration, so that a first hit pays
   no first-use costs (kernel loading, streams, staging).
 
@@ -76,7 +76,7 @@ class TransferEngine(Protocol):
 
     def checksums(self, ticket: Any) -> dict[int, int]: ...
 
-    def digests_store(self, nbytes: int) -> bool: ...
+    def undigested_store_max(self) -> int | None: ...
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...

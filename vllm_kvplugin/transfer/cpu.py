@@ -53,8 +53,8 @@ class CpuTransfer:
     def checksums(self, ticket: None) -> dict[int, int]:
         return {}  # the host hashes what it stored
 
-    def digests_store(self, nbytes: int) -> bool:
-        return False
+    def undigested_store_max(self) -> int | None:
+        return None  # the host hashes every store
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
              bufs: Sequence[torch.Tensor], staged=None) -> None:

@@ -62,10 +62,11 @@ class StorePath:
             return {}
         return {b.data_ptr(): d for b, d in zip(ticket.digested, ticket.digests.result())}
 
-    def digests_store(self, nbytes: int) -> bool:
-        """Whether a store of whole chunks (no skipped token) moving ``nbytes`` in one call is
-        staged and digested: ``checksums`` of its ticket then covers every buffer it wrote."""
-        return self.digests and nbytes > self.store_zc_max
+    def undigested_store_max(self) -> int | None:
+        """A store of whole chunks (no skipped token) moving more bytes than this in one call is
+        staged and digested: ``checksums`` of its ticket then covers every buffer it wrote (None:
+        no store is digested; smaller calls go through the zero-copy kernel, undigested)."""
+        return self.store_zc_max if self.digests else None
 
     def _store_zero_copy(self, layout, layers, slots, bufs) -> torch.cuda.Event:
         """One kernel writes the chunks into the host buffers (after ``ready``)."""

@@ -43,7 +43,7 @@ def poison(_worker: Any, seed: int) -> int:
     import torch
 
     ws = _worker_half()
-    rec = [g.kind.name == "RECURRENT" for g in ws.groups]
+    rec = [g.is_state for g in ws.groups]
     tensors = [t for g, layers in enumerate(ws.layers) if not rec[g] for t in layers]
     tensors += [t for g, layers in enumerate(ws.layers) if rec[g] for views in layers for t in views]
     n = 0
