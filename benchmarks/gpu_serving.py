@@ -25,6 +25,10 @@ With ``--timeline`` every engine has ``stage_timers.StageTimers`` installed from
 (every mode alike), and after the rounds each runs one more ``reuse_0`` and ``reuse_80`` batch whose
 stages and timeline (every step, forward, fetch, hash, copy) are kept in the results.
 
+Each batch also records where the engine's main thread ran and how busy its core's other
+logical CPUs were meanwhile (``host_cpus.MainThreadWatch``); with ``--pin-main`` each engine's
+main thread has a physical core of its own.
+
 Throughput = (prompt + generated tokens) / wall seconds of the batch.  A plugin engine's stores
 still in flight when ``generate`` returns are then waited for, outside the batch's wall time
 (``drain_s``), so that they never run into the next engine's batch.  A mode's ratio to the
@@ -49,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, mode_knobs, transfer_config  # noqa: E402
+from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
 from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
 
@@ -138,6 +143,8 @@ def run_resident(mode: str, args) -> None:
               enforce_eager=True, kv_cache_memory_bytes=args.kv_bytes, gpu_memory_utilization=args.gpu_util,
               block_size=args.block, kv_transfer_config=ktc, seed=0)
     _batch(llm, [tokens(args.prompt_tokens, 900_000 + i) for i in range(args.streams)], args.max_tokens)
+    if args.main_cpu is not None:
+        pin_main_thread(args.main_cpu)
 
     def handle(command: str) -> dict:
         if command == "stats":
@@ -147,7 +154,10 @@ def run_resident(mode: str, args) -> None:
         if timed:
             timers.reset()
         c0, t0 = _cpu_s(), _threads_cpu_s()
-        out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk), args.max_tokens)
+        with MainThreadWatch(pinned=args.main_cpu) as watch:
+            out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk),
+                         args.max_tokens)
+        out.update(watch.result())
         out["drain_s"] = _drain(mode)
         out["cpu_s"] = round(_cpu_s() - c0, 3)  # (the batch's stores finished included)
         out["cpu_s_by_thread"] = _by_thread(t0, _threads_cpu_s())
@@ -181,6 +191,9 @@ def _proc_cpu_s(pid: int) -> float | None:
 def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial: Path | None) -> dict:
     """Every mode's engine started, then ``args.rounds`` rounds of both cases, modes rotated."""
     server = address = None
+    main_cpu = {m: core[0] for m, core in zip(modes, reserve_cores(len(modes)))} if args.pin_main else {}
+    if main_cpu:
+        print(f"main threads pinned: {main_cpu}", file=sys.stderr, flush=True)
     if "kvplugin-server" in modes:
         server, address = start_server(args.host_bytes)
 
@@ -189,7 +202,8 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
              "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
              "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
              "--gpu-util", str(args.gpu_util), "--gpu-staging-bytes", str(args.gpu_staging_bytes)] \
-            + (["--timeline"] if args.timeline else [])
+            + (["--timeline"] if args.timeline else []) \
+            + (["--main-cpu", str(main_cpu[mode])] if mode in main_cpu else [])
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in CASES} for m in modes}
@@ -234,6 +248,7 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
             row[f"{mode}_tokens_per_s"] = round(statistics.median(b["tokens_per_s"] for b in bs), 1)
             row[f"{mode}_cached_tokens"] = bs[-1]["cached_tokens"]
             row[f"{mode}_cpu_s_per_batch"] = round(statistics.median(b["cpu_s"] for b in bs), 2)
+            row[f"{mode}_main_thread_cpu_s_each_round"] = [b.get("cpu_s_by_thread", {}).get("main") for b in bs]
             row[f"{mode}_drain_s_per_batch"] = round(statistics.median(b.get("drain_s", 0.0) for b in bs), 4)
             threads = {name for b in bs for name in b.get("cpu_s_by_thread", {})}
             if threads:
@@ -279,6 +294,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of both cases (ratios per round, their median)")
     ap.add_argument("--timeline", action="store_true",
                     help="stage timers in every engine, and one more batch of each case with its timeline")
+    ap.add_argument("--pin-main", action="store_true",
+                    help="each engine's main thread on a physical core of its own (host_cpus.py)")
+    ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         run_resident(args.child, args)
@@ -293,7 +311,8 @@ def main() -> int:
         "benchmark": "gpu_serving", "method": "side_by_side", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC if args.model is None else args.model, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
-        "chunk_size": args.chunk, "rounds": args.rounds, "engines_started_s": res["engines_started_s"],
+        "chunk_size": args.chunk, "rounds": args.rounds, "pin_main": args.pin_main,
+        "engines_started_s": res["engines_started_s"],
         "summary": summary, "batches": _without_outputs(res["batches"]), "kvplugin_stats": res["kvplugin_stats"],
     }
     if res["timelines"]:
