@@ -41,7 +41,8 @@ prefix-cache hit of the same prompt, measured right after each warm run (the bar
 median of the pairs' differences); the link time of a hit is its bytes copied from pinned host
 memory to the GPU in the same run, after the rounds (``link_seconds``).  One engine's times
 moved by 10-30% between runs of the sequential method (``--sequential``: each mode's engine in
-turn, e.g. for more modes than fit beside each other).  Results: JSON with the machine and
+turn, e.g. for more modes than fit beside each other).  With ``--pin-main`` each engine's main
+thread has a physical core of its own (``host_cpus.py``).  Results: JSON with the machine and
 versions, and ratios.
 """
 
@@ -58,6 +59,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
 from ttft_common import (  # noqa: E402
     TTFTProbe,
@@ -167,6 +169,9 @@ def run_resident(mode: str, args, lengths: list[int]) -> None:
 
     llm, timers = _engine(mode, args, lengths, args.server, side_by_side=True)
     probe = _probe(llm, mode, timers)
+    if args.main_cpu is not None:
+        pin_main_thread(args.main_cpu)
+        MainThreadWatch(period_s=0.2, pinned=args.main_cpu, sample=False).__enter__()  # for the engine's life
     first_s, first_stages = probe.first_hit(lengths[0])
 
     def handle(command: str) -> dict:
@@ -247,6 +252,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
     Returns the modes' results, errors, and per length the link time of its hit measured after
     the rounds (:func:`link_seconds`)."""
     proc = address = None
+    main_cpu = {m: core[0] for m, core in zip(modes, reserve_cores(len(modes)))} if args.pin_main else {}
     if "kvplugin-server" in modes:
         proc, address = start_server(args.host_bytes)
 
@@ -257,6 +263,8 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
         for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes)):
             if value is not None:
                 a += [flag, str(value)]
+        if mode in main_cpu:
+            a += ["--main-cpu", str(main_cpu[mode])]
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
     per: dict[str, list[dict]] = {m: [] for m in modes}
@@ -362,6 +370,9 @@ def main() -> int:
     ap.add_argument("--max-batched", type=int, default=None,
                     help="max_num_batched_tokens (default the longest prompt; side by side 16384: activations of "
                          "four engines fit beside each other)")
+    ap.add_argument("--pin-main", action="store_true",
+                    help="side by side: each engine's main thread on a physical core of its own (host_cpus.py)")
+    ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     side = not args.sequential and not (args.child and not args.resident)
     if args.host_bytes is None:
@@ -443,6 +454,7 @@ def main() -> int:
         "model": SPEC if built else model,
         "kv_bytes_per_token": bpt, "block_size": args.block, "chunk_size": args.chunk,
         "host_bytes": args.host_bytes, "max_num_batched_tokens": args.max_batched, "rounds": args.rounds if side else 1,
+        "pin_main": args.pin_main,
         "summary": summary, "modes": results, "errors": errors,
     }
     out.write_text(json.dumps(doc, indent=1))

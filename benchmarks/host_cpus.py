@@ -11,9 +11,10 @@ on the same physical core (an SMT sibling).  Two tools, for ``gpu_serving.py`` a
   of its core's siblings, so each batch's speed can be set against its neighbours.
 * :func:`reserve_cores` / :func:`pin_main_thread` (``--pin-main``): the parent keeps one physical
   core per engine out of its own affinity (its children, the engines and a cache server, inherit
-  that), and each engine, once built, moves its main thread onto the first CPU of its core.  The
-  watch then also moves any thread started later by the main thread (it inherits the main's
-  CPU) back to the shared CPUs.
+  that), and each engine, once built, moves its main thread onto the first CPU of its core.  A
+  pinned watch also moves any thread started later by the main thread (it inherits the main's
+  CPU) back to the shared CPUs; ``gpu_ttft.py`` keeps one running (``sample=False``) for the
+  engine's life.
 
 Linux only (``/proc``, ``/sys``, per-thread ``sched_setaffinity``).
 """
@@ -93,8 +94,9 @@ def _busy_per_cpu() -> dict[int, tuple[int, int]]:
 class MainThreadWatch:
     """A sampler thread around one batch (``with MainThreadWatch() as w: ...; w.result()``)."""
 
-    def __init__(self, period_s: float = 0.05, pinned: int | None = None):
+    def __init__(self, period_s: float = 0.05, pinned: int | None = None, sample: bool = True):
         self.period_s = period_s
+        self.sample = sample
         self.pinned = pinned  # the main thread's own CPU under --pin-main
         self._main = threading.main_thread().native_id
         self._siblings = {c: core for core in physical_cores() for c in core}
@@ -122,8 +124,12 @@ class MainThreadWatch:
     def _run(self) -> None:
         if self.pinned is not None:  # started by the pinned main thread: off its CPU first
             os.sched_setaffinity(0, _shared)
-        last = _busy_per_cpu()
+        last = _busy_per_cpu() if self.sample else {}
         while not self._stop.wait(self.period_s):
+            if self.pinned is not None:
+                self._unpin_others()
+            if not self.sample:
+                continue
             now, cpu = _busy_per_cpu(), self._main_cpu()
             if cpu is not None:
                 self._cpus[cpu] += 1
@@ -132,8 +138,6 @@ class MainThreadWatch:
                     shares = [(now[c][0] - last[c][0]) / max(1, now[c][1] - last[c][1]) for c in sib]
                     self._sibling_busy.append(sum(shares) / len(shares))
             last = now
-            if self.pinned is not None:
-                self._unpin_others()
 
     def _unpin_others(self) -> None:
         """Threads started by the pinned main thread inherit its CPU: back to the shared ones."""
