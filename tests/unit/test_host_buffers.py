@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvplugin.transfer.host_buffers import ALIGN, HostBuffers, aligned
+from vllm_kvplugin.transfer.host_buffers import ALIGN, HostBuffers, aligned, default_capacity
 
 
 def _offsets(hb: HostBuffers, slices) -> list[int]:
@@ -63,3 +63,22 @@ def test_a_foreign_or_repeated_give_is_refused():
 def test_no_room_at_all():
     hb = HostBuffers(0, pin=False)
     assert hb.take_slices([1]) == ([], None) and hb.free_bytes() == 0
+
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("step_bytes,undigested_max,want", [
+    # no device digests (the CPU, the torch fallback): four steps of every object, 1-16 GiB
+    ([(1_200 * MiB, False)], None, 4 * 1_200 * MiB),         # an 8B model's 8k-token step
+    ([(10 * MiB, False)], None, 1 * GiB),                     # a tiny model: the floor
+    ([(5 * GiB, False)], None, 16 * GiB),                     # the ceiling
+    # digested calls go straight into the pool: at most 4 MiB a token group a step passes here
+    ([(1_200 * MiB, False)], 4 * MiB, 64 * MiB),              # 4 x 4 MiB, under the floor
+    ([(1_200 * MiB, False)] * 5, 4 * MiB, 5 * 4 * 4 * MiB),   # five token groups: 80 MiB
+    ([(3 * MiB, False)], 4 * MiB, 64 * MiB),                  # a small call passes whole
+    # states are read on the host: every state of a step passes
+    ([(1_200 * MiB, False), (300 * MiB, True)], 4 * MiB, 4 * (4 + 300) * MiB),
+])
+def test_default_capacity_holds_four_steps_of_what_passes_through(step_bytes, undigested_max, want):
+    assert default_capacity(step_bytes, undigested_max) == want

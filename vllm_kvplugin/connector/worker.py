@@ -64,7 +64,7 @@ from vllm_kvplugin.layout.state import (
 from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore
 from vllm_kvplugin.transfer import TransferEngine, engine_for
-from vllm_kvplugin.transfer.host_buffers import HostBuffers
+from vllm_kvplugin.transfer.host_buffers import HostBuffers, default_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -208,19 +208,14 @@ class WorkerSide(FetchPath, StorePath):
 
     def _staging_bytes(self) -> int:
         """Room for the server objects of the stores in flight that pass through private memory
-        (``server_staging_bytes``; unset: four full steps' worth -- the finisher may lag a few
-        short steps behind -- within 1 and 16 GiB).  Where the device digests its store calls,
-        only a group's call too small for that (at most ``undigested_store_max`` bytes a step)
-        and recurrent states pass through it; the rest go straight into the server's pool: then
-        at least 64 MiB (page-locking it at start-up costs ~1 s per GiB)."""
+        (``server_staging_bytes``; unset: :func:`~vllm_kvplugin.transfer.host_buffers.default_capacity`
+        of a full step, ``max_num_batched_tokens`` and a chunk)."""
         if self.cfg.server_staging_bytes is not None:
             return self.cfg.server_staging_bytes
         C = self.chunk_size
         chunks = -(-_common.max_batched_tokens(self.vllm_config) // C) + 1
-        cap = self.engine.undigested_store_max()
-        step = sum(chunks * g.object_bytes(C) if g.is_state or cap is None else min(chunks * g.object_bytes(C), cap)
-                   for g in self.groups)
-        return min(16 << 30, max(1 << 30 if cap is None else 64 << 20, 4 * step))
+        return default_capacity([(chunks * g.object_bytes(C), g.is_state) for g in self.groups],
+                                self.engine.undigested_store_max())
 
     @property
     def _token_group(self) -> int:

@@ -23,15 +23,35 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 
 import torch
 
 #: slices handed out start at multiples of this (a dtype view of any slice is aligned)
 ALIGN = 256
+#: the default capacity's bounds: where every server object passes through (no device digests) ...
+MIN_BYTES, MAX_BYTES = 1 << 30, 16 << 30
+#: ... and where only the calls too small to be digested and recurrent states do
+MIN_BYTES_DIGESTED = 64 << 20
+#: steps' worth of objects in flight (the finisher may lag a few short steps behind)
+STEPS_IN_FLIGHT = 4
 
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def default_capacity(step_bytes: Sequence[tuple[int, bool]], undigested_max: int | None) -> int:
+    """The slab's size when ``server_staging_bytes`` is unset.  ``step_bytes``: per KV cache group,
+    the bytes of the objects one full step stores and whether they are states (read on the host);
+    ``undigested_max``: the largest store call the device does not digest (None: it digests none).
+    A digested call goes straight into the server's pool, so per step at most ``undigested_max``
+    of a token group passes through here, and every state."""
+    if undigested_max is None:
+        step = sum(n for n, _ in step_bytes)
+        return min(MAX_BYTES, max(MIN_BYTES, STEPS_IN_FLIGHT * step))
+    step = sum(n if state else min(n, undigested_max) for n, state in step_bytes)
+    return min(MAX_BYTES, max(MIN_BYTES_DIGESTED, STEPS_IN_FLIGHT * step))
 
 
 class HostBuffers:
