@@ -309,13 +309,18 @@ def test_server_restarts_leave_one_pool_mapped(qwen3_model, workdir):
             srv.start()
             new_pool = srv.banner.split("(pool ", 1)[1].split(",", 1)[0]
             # a call that met the server down backs the client off for 1 s (retry_s): after it,
-            # the first calls to meet the new instance fail (a miss), then the pool is re-mapped
+            # the first calls to meet the new instance fail (a miss), then the pool is re-mapped.
+            # The worker lets go of the old pool at its next call that reaches the server (a
+            # store's reserve); a backoff begun late (its heartbeat met the server down) can
+            # make a few quick requests' calls all fail first, so: requests until a deadline.
             time.sleep(1.2)
-            for attempt in range(6):
-                generate(llm, [prompt(3 * CHUNK + 2, seed=810 + 10 * i + attempt)])
+            deadline = time.monotonic() + 15
+            for attempt in range(1000):
+                generate(llm, [prompt(3 * CHUNK + 2, seed=810 + 1000 * i + attempt)])
                 pools = _mapped_pools() - before
-                if attempt >= 2 and pools == {new_pool}:
+                if (attempt >= 2 and pools == {new_pool}) or time.monotonic() > deadline:
                     break
+                time.sleep(0.2)
             assert pools == {new_pool}, f"after restart {i + 1}: {sorted(pools)}, the new one {new_pool}"
         back = generate(llm, [base])[0]  # stored again into the current server, then a hit
         again = generate(llm, [base])[0]
