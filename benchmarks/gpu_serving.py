@@ -249,6 +249,8 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
             row[f"{mode}_cached_tokens"] = bs[-1]["cached_tokens"]
             row[f"{mode}_cpu_s_per_batch"] = round(statistics.median(b["cpu_s"] for b in bs), 2)
             row[f"{mode}_main_thread_cpu_s_each_round"] = [b.get("cpu_s_by_thread", {}).get("main") for b in bs]
+            row[f"{mode}_main_cpu_steal_each_round"] = [b.get("main_cpu_steal") for b in bs]
+            row[f"{mode}_main_core_sibling_busy_each_round"] = [b.get("main_core_sibling_busy") for b in bs]
             row[f"{mode}_drain_s_per_batch"] = round(statistics.median(b.get("drain_s", 0.0) for b in bs), 4)
             threads = {name for b in bs for name in b.get("cpu_s_by_thread", {})}
             if threads:

@@ -7,8 +7,10 @@ on the same physical core (an SMT sibling).  Two tools, for ``gpu_serving.py`` a
 
 * :class:`MainThreadWatch`, around a batch: every ``period_s`` a sampler thread reads which CPU the
   main thread is on and how busy the other logical CPUs of that core were since the last sample
-  (``/proc/stat``).  Reported: the main thread's CPUs (share of samples) and the mean busy share
-  of its core's siblings, so each batch's speed can be set against its neighbours.
+  (``/proc/stat``).  Reported: the main thread's CPUs (share of samples), the mean busy share
+  of its core's siblings, and the steal time of its CPU (the hypervisor running someone else
+  on it: a neighbour no pinning inside the VM can move away from), so each batch's speed can be
+  set against them.
 * :func:`reserve_cores` / :func:`pin_main_thread` (``--pin-main``): the parent keeps one physical
   core per engine out of its own affinity (its children, the engines and a cache server, inherit
   that), and each engine, once built, moves its main thread onto the first CPU of its core.  A
@@ -79,15 +81,16 @@ def _tids() -> list[int]:
     return [int(t) for t in os.listdir("/proc/self/task")]
 
 
-def _busy_per_cpu() -> dict[int, tuple[int, int]]:
-    """(busy, total) jiffies per CPU from ``/proc/stat``."""
+def _busy_per_cpu() -> dict[int, tuple[int, int, int]]:
+    """(busy, total, steal) jiffies per CPU from ``/proc/stat`` (steal: time the hypervisor gave
+    this virtual CPU's turn to someone else; counted in busy too)."""
     out = {}
     for line in Path("/proc/stat").read_text().splitlines():
         if line.startswith("cpu") and line[3].isdigit():
             name, *vals = line.split()
             v = [int(x) for x in vals[:8]]
             idle = v[3] + v[4]
-            out[int(name[3:])] = (sum(v) - idle, sum(v))
+            out[int(name[3:])] = (sum(v) - idle, sum(v), v[7])
     return out
 
 
@@ -102,6 +105,7 @@ class MainThreadWatch:
         self._siblings = {c: core for core in physical_cores() for c in core}
         self._cpus: Counter[int] = Counter()
         self._sibling_busy: list[float] = []
+        self._steal: list[float] = []  # the main thread's CPU's share of steal time
         self._moved = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-main-watch", daemon=True)
@@ -133,6 +137,8 @@ class MainThreadWatch:
             now, cpu = _busy_per_cpu(), self._main_cpu()
             if cpu is not None:
                 self._cpus[cpu] += 1
+                if cpu in now and cpu in last:
+                    self._steal.append((now[cpu][2] - last[cpu][2]) / max(1, now[cpu][1] - last[cpu][1]))
                 sib = [c for c in self._siblings.get(cpu, (cpu,)) if c != cpu and c in now and c in last]
                 if sib:
                     shares = [(now[c][0] - last[c][0]) / max(1, now[c][1] - last[c][1]) for c in sib]
@@ -154,4 +160,5 @@ class MainThreadWatch:
         return {"main_cpus": {str(c): round(k / n, 2) for c, k in self._cpus.most_common(4)} if n else {},
                 "main_core_sibling_busy": round(sum(self._sibling_busy) / len(self._sibling_busy), 3)
                 if self._sibling_busy else None,
+                "main_cpu_steal": round(sum(self._steal) / len(self._steal), 3) if self._steal else None,
                 "threads_moved_off_main_cpu": self._moved}
