@@ -47,11 +47,9 @@ def default_capacity(step_bytes: Sequence[tuple[int, bool]], undigested_max: int
     ``undigested_max``: the largest store call the device does not digest (None: it digests none).
     A digested call goes straight into the server's pool, so per step at most ``undigested_max``
     of a token group passes through here, and every state."""
-    if undigested_max is None:
-        step = sum(n for n, _ in step_bytes)
-        return min(MAX_BYTES, max(MIN_BYTES, STEPS_IN_FLIGHT * step))
-    step = sum(n if state else min(n, undigested_max) for n, state in step_bytes)
-    return min(MAX_BYTES, max(MIN_BYTES_DIGESTED, STEPS_IN_FLIGHT * step))
+    digested = undigested_max is not None
+    step = sum(min(n, undigested_max) if digested and not state else n for n, state in step_bytes)
+    return min(MAX_BYTES, max(MIN_BYTES_DIGESTED if digested else MIN_BYTES, STEPS_IN_FLIGHT * step))
 
 
 class HostBuffers:
