@@ -39,7 +39,8 @@ modes ran seconds apart; the bars' ratios are taken per round and their median r
 (``*_each_round``: every round's).  The floor of a warm hit is the same engine's GPU
 prefix-cache hit of the same prompt, measured right after each warm run (the bars take the
 median of the pairs' differences); the link time of a hit is its bytes copied from pinned host
-memory to the GPU in the same run, after the rounds (``link_seconds``).  One engine's times
+memory to the GPU in the same run, after the rounds (``link_seconds``, the fastest of 9; every
+row reports it as ``link_s`` and ``link_GBps``).  One engine's times
 moved by 10-30% between runs of the sequential method (``--sequential``: each mode's engine in
 turn, e.g. for more modes than fit beside each other).  With ``--pin-main`` each engine's main
 thread has a physical core of its own (``host_cpus.py``).  Results: JSON with the machine and
@@ -189,10 +190,12 @@ def run_resident(mode: str, args, lengths: list[int]) -> None:
     serve(handle)
 
 
-def link_seconds(nbytes: int, repeats: int = 5, piece: int = 1 << 30) -> float:
+def link_seconds(nbytes: int, repeats: int = 9, piece: int = 1 << 30) -> float:
     """The pinned-copy ceiling in this run: seconds to copy ``nbytes`` from page-locked host
     memory to the GPU (one stream, 1 GiB pieces back to back from one pinned buffer, so that a
-    64k hit's 9.7 GB needs no second copy of it in memory), the median of ``repeats``."""
+    64k hit's 9.7 GB needs no second copy of it in memory), the fastest of ``repeats``.  (The
+    median let one slow sample through: on the H100 of 2026-12-05 it gave 49.7 GB/s at 16k
+    beside 54.4 and 54.8 at 8k and 32k, and with it a bar below 1.0.)"""
     import torch
 
     host = torch.empty(min(piece, nbytes), dtype=torch.uint8, pin_memory=True)
@@ -209,7 +212,7 @@ def link_seconds(nbytes: int, repeats: int = 5, piece: int = 1 << 30) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     del host, dev
     torch.cuda.empty_cache()
-    return round(statistics.median(times[1:]), 5)
+    return round(min(times[1:]), 5)
 
 
 def profile(probe: TTFTProbe, n: int, seed: int) -> dict:
@@ -438,6 +441,10 @@ def main() -> int:
             row["link_measured"] = side
             row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / link_s / 1e9, 1)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
+        if side and row["prompt_tokens"] in links and "link_s" not in row:
+            row["link_s"] = round(links[row["prompt_tokens"]], 4)
+            row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / row["link_s"] / 1e9, 1) \
+                if "kvplugin_warm_cached_tokens" in row else None
         row.update(rounds.get(row["prompt_tokens"], {}))  # side by side: medians of per-round ratios
         for res in results:  # the first hit after start-up against a later one (the bar: 1.0)
             if row.get(f"{res['mode']}_first_hit_warm_s") and row.get(f"{res['mode']}_warm_s"):
