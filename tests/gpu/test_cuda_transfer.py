@@ -18,6 +18,7 @@ from vllm_kvplugin.layout.build import build_layout
 from vllm_kvplugin.layout.reference import _index, reference_gather, reference_scatter, token_view
 from vllm_kvplugin.transfer import engine_for
 from vllm_kvplugin.transfer.cuda import CudaTransfer
+from vllm_kvplugin.transfer.staging_choice import held_limit
 
 pytestmark = [
     pytest.mark.gpu,
@@ -413,6 +414,18 @@ def test_prefetch_takes_what_the_staging_cap_allows():
     case, layout, layers, slots, bufs = _prefetch_case(eng)
     eng._fixed_cap = 2 * bufs[0].nbytes
     assert _load_prefetched(eng, layout, layers, slots, bufs) == 2
+
+
+def test_a_prefetch_does_not_hold_a_large_idle_buffer():
+    """The pool's one buffer is a large idle one (a large store's): a prefetch replaces it by one
+    of its own size rather than holding it, and its load is still the reference's."""
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    eng.max_staging_buffers = 1
+    case, layout, layers, slots, bufs = _prefetch_case(eng, seed=31)
+    eng._acquire(256 << 20)  # a store's, handed back at once (no copy used it)
+    nbytes = sum(b.nbytes for b in bufs)
+    assert _load_prefetched(eng, layout, layers, slots, bufs) == len(bufs)
+    assert len(eng._pool) == 1 and nbytes <= eng._pool[0].tensor.numel() <= held_limit(nbytes)
 
 
 def test_automatic_staging_cap_follows_free_device_memory(monkeypatch):

@@ -63,6 +63,8 @@ read when a buffer would grow.  So a long hit (64k tokens of an 8B model: 9.7
 GB) is prefetched whole while it is verified, where the memory is there, and a
 tighter device prefetches less (the load copies the rest itself).  A staging
 allocation that fails anyway is no prefetch (the load copies), never an error.
+Which buffer a call takes is ``staging_choice.choose_staging``: a prefetch, which
+holds its buffer until its load, never keeps one much larger than it needs.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging
 from vllm_kvplugin.transfer.cuda_pieces import host_runs, launch_groups, staged_runs
 from vllm_kvplugin.transfer.cuda_stores import StorePath
 from vllm_kvplugin.transfer.paced import PacedCopies
+from vllm_kvplugin.transfer.staging_choice import StagingState, choose_staging
 
 logger = logging.getLogger(__name__)
 
@@ -199,30 +202,24 @@ class CudaTransfer(StorePath):
         return max(0, min(total // 4, held + free - STAGING_RESERVE_BYTES))
 
     def _acquire(self, nbytes: int, hold: bool = False) -> Staging:
-        """A staging buffer of >= nbytes; the caller's stream must wait on ``busy``.  ``hold``:
-        kept for a prefetch until released (never handed out meanwhile)."""
+        """A staging buffer of >= nbytes (``staging_choice.choose_staging`` picks it); the
+        caller's stream must wait on ``busy``.  ``hold``: kept for a prefetch until released
+        (never handed out meanwhile)."""
         self._uses += 1
-        free = [e for e in self._pool if not e.held and e.pacing is None and e.tensor.numel() >= nbytes
-                and (e.busy is None or e.busy.query())]
-        if free:
-            e = min(free, key=lambda e: e.tensor.numel())
+        states = [StagingState(e.tensor.numel(), e.held, e.pacing is not None,
+                               e.busy is None or e.busy.query(), e.last_use) for e in self._pool]
+        choice = choose_staging(states, nbytes, hold, lambda: self.staging_cap_bytes, self.max_staging_buffers)
+        if choice.index is None:
+            e = Staging(self._alloc(nbytes))
+            self._pool.append(e)
         else:
-            total = sum(e.tensor.numel() for e in self._pool)
-            if not self._pool or (len(self._pool) < self.max_staging_buffers
-                                  and total + nbytes <= self.staging_cap_bytes):
-                e = Staging(self._alloc(nbytes))
-                self._pool.append(e)
-            else:  # reuse the least recently used one (device-side wait), growing it if needed
-                unheld = [e for e in self._pool if not e.held]
-                if not unheld:  # every buffer held by a prefetch: one more, beyond the counts
-                    unheld = [Staging(self._alloc(nbytes))]
-                    self._pool.append(unheld[0])
-                e = min(unheld, key=lambda e: (e.pacing is not None, e.last_use))
-                if e.pacing is not None:  # its store's last DMAs first (their event becomes ``busy``)
-                    self._paced.drain(e.pacing)
-                if e.tensor.numel() < nbytes:
-                    self._drop(e.tensor)
-                    e.tensor = self._alloc(nbytes)
+            e = self._pool[choice.index]
+            if e.pacing is not None:  # its store's last DMAs first (their event becomes ``busy``)
+                self._paced.drain(e.pacing)
+            if choice.resize:  # its memory goes back first (an allocation that fails leaves it empty)
+                self._drop(e.tensor)
+                e.tensor = torch.empty(0, dtype=torch.uint8, device=self.device)
+                e.tensor = self._alloc(nbytes)
         e.last_use = self._uses
         e.held = hold
         return e
@@ -233,7 +230,9 @@ class CudaTransfer(StorePath):
             return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _drop(self, t: torch.Tensor) -> None:
-        for s in (self._kern, self._d2h, self._h2d):
+        """Before the last reference to ``t`` goes: the caching allocator hands its memory out
+        again only after the work queued so far on every stream that may use it (digests too)."""
+        for s in (self._kern, self._d2h, self._h2d, self._dig):
             t.record_stream(s)
 
     def _wait_host_reads(self, stream: torch.cuda.Stream, bufs: Sequence[torch.Tensor]) -> None:
