@@ -2,10 +2,12 @@
 
 At 0% reuse a connector can only cost, and an eager engine is bound by its one Python thread:
 what the plugin's scheduler hooks take there comes straight off throughput.  One engine
-(in-process, eager), KVPluginConnector with the in-process tier; per round ``--streams`` fresh
+(in-process, eager), KVPluginConnector with the in-process tier (``--server``: through a cache
+server process instead, no in-process tier); per round ``--streams`` fresh
 prompts of ``--prompt-tokens`` submitted together, ``--max-tokens`` greedy tokens each.  Measured
 per call: ``build_connector_meta`` (every step; steps whose metadata carries stores apart from
-the others, e.g. decode steps) and ``get_num_new_matched_tokens`` (each new request's lookup).
+the others, e.g. decode steps) and ``get_num_new_matched_tokens`` (each new request's lookup, and
+every later call for a request vLLM still holds back: ``lookup_calls_per_request``).
 The first batch is warm-up.  Results: per round the count, total and median of each, with the
 machine and versions.
 
@@ -26,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ttft_common import environment, tokens  # noqa: E402
+from ttft_common import environment, start_server, tokens  # noqa: E402
 
 
 def _summary(samples: list[float]) -> dict:
@@ -42,6 +44,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--server", action="store_true", help="through a cache server (no in-process tier)")
     ap.add_argument("--out", default=str(HERE / "results" / "scheduler-hooks-cpu.json"))
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -52,7 +55,7 @@ def main() -> int:
     from vllm_kvplugin import tiny_model
     from vllm_kvplugin.connector.scheduler import SchedulerSide
 
-    meta_store, meta_other, match = [], [], []
+    meta_store, meta_other, match, asked = [], [], [], []
     build, lookup = SchedulerSide.build_connector_meta, SchedulerSide.get_num_new_matched_tokens
 
     def timed_build(self, so):
@@ -61,16 +64,21 @@ def main() -> int:
         (meta_store if meta.stores else meta_other).append(time.perf_counter() - t0)
         return meta
 
-    def timed_lookup(self, *a, **k):
+    def timed_lookup(self, request, *a, **k):
+        asked.append(request.request_id)
         t0 = time.perf_counter()
         try:
-            return lookup(self, *a, **k)
+            return lookup(self, request, *a, **k)
         finally:
             match.append(time.perf_counter() - t0)
 
     SchedulerSide.build_connector_meta, SchedulerSide.get_num_new_matched_tokens = timed_build, timed_lookup
-    ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
-                           kv_connector_extra_config={"chunk_size": args.chunk, "cpu_bytes": 2 << 30})
+    extra = {"chunk_size": args.chunk, "cpu_bytes": 2 << 30}
+    server = None
+    if args.server:
+        server, address = start_server(2 << 30)
+        extra.update(cpu_bytes=0, server=address)
+    ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     llm = LLM(model=str(tiny_model.build(tiny_model.DEMO)), enable_prefix_caching=True, enforce_eager=True,
               block_size=args.block, max_model_len=args.prompt_tokens + args.max_tokens + 16,
               max_num_batched_tokens=8192, max_num_seqs=args.streams, kv_cache_memory_bytes=1 << 30,
@@ -78,17 +86,20 @@ def main() -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     rounds = []
     for r in range(args.rounds + 1):
-        for xs in (meta_store, meta_other, match):
+        for xs in (meta_store, meta_other, match, asked):
             xs.clear()
         llm.generate([{"prompt_token_ids": tokens(args.prompt_tokens, 10_000 * r + i)} for i in range(args.streams)],
                      sp, use_tqdm=False)
         if r:  # the first batch is warm-up
             rounds.append({"build_meta_with_stores": _summary(meta_store), "build_meta_other": _summary(meta_other),
-                           "lookup": _summary(match)})
+                           "lookup": _summary(match),
+                           "lookup_calls_per_request": round(len(asked) / max(1, len(set(asked))), 2)})
             print(f"round {r}: {rounds[-1]}", flush=True)
+    if server is not None:
+        server.terminate()
     code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
     doc = {"benchmark": "scheduler_hooks", "date": time.strftime("%Y-%m-%d"), **environment(),
-           "code": code.strip() or None, "model": "tiny_model.DEMO", "streams": args.streams,
+           "code": code.strip() or None, "model": "tiny_model.DEMO", "server": args.server, "streams": args.streams,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
            "chunk_size": args.chunk, "rounds": rounds}
     Path(args.out).write_text(json.dumps(doc, indent=1))

@@ -397,3 +397,49 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
             shutdown(llm)
+
+
+def test_a_lookup_answered_after_vllm_computed_less_is_asked_again(qwen3_model, server, monkeypatch):
+    """vLLM can pass a smaller ``num_computed_tokens`` than when a server lookup was sent (its own
+    prefix cache evicted blocks in between).  The lease pins objects only from the chunk the lookup
+    asked from, so its answer is not planned below that chunk: the lookup is sent again from where
+    vLLM stands, and the hit is whole.  (The eviction is simulated: the first lookup is sent as if
+    vLLM held two chunks, and answered a step later.)"""
+    import threading
+    from concurrent.futures import Future
+
+    from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.tiers.mp import ServerIndex
+
+    p = prompt(6 * CHUNK + 3, seed=880)
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address})
+    try:
+        want = generate(llm, [p])[0].token_ids
+        llm.reset_prefix_cache()
+        lookup_async, match = ServerIndex.lookup_async, smod.SchedulerSide.get_num_new_matched_tokens
+        firsts: list[int] = []
+
+        def late(self, keys, first):
+            firsts.append(first)
+            inner, done = lookup_async(self, keys, first), Future()
+
+            def answer():
+                e = inner.exception()
+                done.set_exception(e) if e else done.set_result(inner.result())
+            threading.Timer(0.05, answer).start()  # after the step that sent it
+            return done
+
+        def fewer_later(self, request, num_computed):
+            return match(self, request, num_computed + (0 if firsts else 2 * CHUNK))
+
+        monkeypatch.setattr(ServerIndex, "lookup_async", late)
+        monkeypatch.setattr(smod.SchedulerSide, "get_num_new_matched_tokens", fewer_later)
+        before = vllm_kvplugin.stats()
+        back = generate(llm, [p])[0]
+        after = vllm_kvplugin.stats()
+        assert firsts == [2, 0]
+        assert back.token_ids == want and back.num_cached_tokens == 6 * CHUNK
+        assert after["load_failures"] == before["load_failures"]
+        assert _delta(before, after, "server_hit_tokens") == 6 * CHUNK
+    finally:
+        shutdown(llm)

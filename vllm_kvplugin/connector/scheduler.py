@@ -242,6 +242,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         if self.server is not None and local_end < max_hit:
             if tr.server_lookup is None:
                 tr.server_lookup = self.server.lookup_async(tr.keys[:max_hit], num_computed // C)
+                tr.server_lookup_first = num_computed // C
                 self._await_briefly(tr.server_lookup)
             if not tr.server_lookup.done():
                 return _ASKING
@@ -252,6 +253,11 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                 counters.SCHEDULER.add(server_lookup_errors=1)
                 logger.warning("vllm-kvplugin: server lookup failed (%s); the prompt is computed", e)
             else:
+                if num_computed // C < tr.server_lookup_first:
+                    # vLLM stands before the chunk it was asked from (its prefix cache let blocks
+                    # go meanwhile): the lease pins nothing below that chunk, so ask again
+                    self._release(found.lease)
+                    return self._lookup(tr, num_computed)
                 tr.server_hits = found.hits
                 if found.hits > local_end and found.hits * C > num_computed:  # the server pinned that hit
                     plan = plan_load(tr.prompt_len, num_computed, C, self.groups, lambda pos, g: True,

@@ -42,5 +42,6 @@ class RequestTracker:
     plan: LoadPlan | None = None  # granted by the last get_num_new_matched_tokens
     looked_up: bool = False
     waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
-    server_lookup: Any = None  # the server lookup in flight (a Future), with the first chunk it asked from
+    server_lookup: Any = None  # the server lookup in flight (a Future)
+    server_lookup_first: int = 0  # the chunk it asked from (its lease pins nothing below it)
     unkeyed: Any = None  # (ids, key extras) while only the first chunks are keyed (a lone request's lookup)
