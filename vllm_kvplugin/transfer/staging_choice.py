@@ -4,9 +4,9 @@ states, no device).  ``CudaTransfer._acquire`` applies it.
 A store's staging is handed back as soon as its DMAs are issued; a prefetch *holds* its buffer
 until its load, and the cap on held bytes decides how many hits are prefetched (and so verified
 on the device) at once.  A held buffer therefore never keeps much more than its prefetch needs:
-in a serving run on the H100 the 482 MB prefetches of a burst of hits took the 2.4 GB buffers
-that 16k-token prefill steps' stores had left, three of them filled the 8 GB cap, and the
-burst's other hits were verified on the host instead.
+in a serving run on the H100 the 468 MiB prefetches of a burst of hits took the 2,304 MiB
+buffers that 16k-token prefill steps' stores had left, four of them filled the 8 GiB cap, and
+most of the burst's other hits were verified on the host instead.
 """
 
 from __future__ import annotations
