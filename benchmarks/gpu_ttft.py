@@ -435,16 +435,13 @@ def main() -> int:
     for row in summary:  # the bars: warm - (vLLM prefix-cache hit) <= 1.1 x link time; cold <= 1.03 x
         if "kvplugin_cold_s" in row and f"{ref}_cold_s" in row:
             row["kvplugin_cold_over_baseline_cold"] = round(row["kvplugin_cold_s"] / row[f"{ref}_cold_s"], 3)
+        link_s = links.get(row["prompt_tokens"])
+        if link_s:  # measured in this run (side by side), else the ceiling on record
+            row["link_s"], row["link_measured"] = round(link_s, 4), side
+            if "kvplugin_warm_cached_tokens" in row:
+                row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / link_s / 1e9, 1)
         if "kvplugin_warm_s" in row and "vllm-apc_warm_s" in row:
-            link_s = links[row["prompt_tokens"]]
-            row["link_s"] = round(link_s, 4)
-            row["link_measured"] = side
-            row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / link_s / 1e9, 1)
             row["kvplugin_warm_minus_apc_over_link"] = round((row["kvplugin_warm_s"] - row["vllm-apc_warm_s"]) / link_s, 2)
-        if side and row["prompt_tokens"] in links and "link_s" not in row:
-            row["link_s"] = round(links[row["prompt_tokens"]], 4)
-            row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / row["link_s"] / 1e9, 1) \
-                if "kvplugin_warm_cached_tokens" in row else None
         row.update(rounds.get(row["prompt_tokens"], {}))  # side by side: medians of per-round ratios
         for res in results:  # the first hit after start-up against a later one (the bar: 1.0)
             if row.get(f"{res['mode']}_first_hit_warm_s") and row.get(f"{res['mode']}_warm_s"):
