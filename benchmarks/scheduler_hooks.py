@@ -7,7 +7,9 @@ server process instead, no in-process tier); per round ``--streams`` fresh
 prompts of ``--prompt-tokens`` submitted together, ``--max-tokens`` greedy tokens each.  Measured
 per call: ``build_connector_meta`` (every step; steps whose metadata carries stores apart from
 the others, e.g. decode steps) and ``get_num_new_matched_tokens`` (each new request's lookup, and
-every later call for a request vLLM still holds back: ``lookup_calls_per_request``).
+every later call for a request vLLM still holds back: ``lookup_calls_per_request``; how many of
+those calls held the request back, and how many lookups went to the server).  ``--miss-reuse``
+runs each round twice, with the scheduler's ``MISS_REUSE_S`` and with 0.
 The first batch is warm-up.  Results: per round the count, total and median of each, with the
 machine and versions.
 
@@ -45,6 +47,9 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--server", action="store_true", help="through a cache server (no in-process tier)")
+    ap.add_argument("--miss-reuse", action="store_true",
+                    help="with --server: each round once with the scheduler's MISS_REUSE_S and once with 0 "
+                         "(a server miss asked again each time vLLM asks), side by side in one engine")
     ap.add_argument("--out", default=str(HERE / "results" / "scheduler-hooks-cpu.json"))
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -53,10 +58,13 @@ def main() -> int:
     from vllm.config import KVTransferConfig
 
     from vllm_kvplugin import tiny_model
+    from vllm_kvplugin.connector import scheduler as smod
     from vllm_kvplugin.connector.scheduler import SchedulerSide
+    from vllm_kvplugin.tiers.mp import ServerIndex
 
-    meta_store, meta_other, match, asked = [], [], [], []
+    meta_store, meta_other, match, asked, held, sent = [], [], [], [], [], []
     build, lookup = SchedulerSide.build_connector_meta, SchedulerSide.get_num_new_matched_tokens
+    server_lookup = ServerIndex.lookup
 
     def timed_build(self, so):
         t0 = time.perf_counter()
@@ -68,11 +76,19 @@ def main() -> int:
         asked.append(request.request_id)
         t0 = time.perf_counter()
         try:
-            return lookup(self, request, *a, **k)
+            got = lookup(self, request, *a, **k)
         finally:
             match.append(time.perf_counter() - t0)
+        if got[0] is None:
+            held.append(request.request_id)
+        return got
+
+    def counted_server_lookup(self, *a, **k):
+        sent.append(1)
+        return server_lookup(self, *a, **k)
 
     SchedulerSide.build_connector_meta, SchedulerSide.get_num_new_matched_tokens = timed_build, timed_lookup
+    ServerIndex.lookup = counted_server_lookup
     extra = {"chunk_size": args.chunk, "cpu_bytes": 2 << 30}
     server = None
     if args.server:
@@ -84,16 +100,24 @@ def main() -> int:
               max_num_batched_tokens=8192, max_num_seqs=args.streams, kv_cache_memory_bytes=1 << 30,
               kv_transfer_config=ktc, seed=0)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    modes = {"miss_reuse": smod.MISS_REUSE_S, "no_miss_reuse": 0.0} if args.miss_reuse else {"": smod.MISS_REUSE_S}
     rounds = []
     for r in range(args.rounds + 1):
-        for xs in (meta_store, meta_other, match, asked):
-            xs.clear()
-        llm.generate([{"prompt_token_ids": tokens(args.prompt_tokens, 10_000 * r + i)} for i in range(args.streams)],
-                     sp, use_tqdm=False)
+        row = {}
+        for m, (mode, reuse_s) in enumerate(modes.items()):
+            smod.MISS_REUSE_S = reuse_s
+            for xs in (meta_store, meta_other, match, asked, held, sent):
+                xs.clear()
+            llm.generate([{"prompt_token_ids": tokens(args.prompt_tokens, 10_000 * r + 1_000 * m + i)}
+                          for i in range(args.streams)], sp, use_tqdm=False)
+            got = {"build_meta_with_stores": _summary(meta_store), "build_meta_other": _summary(meta_other),
+                   "lookup": _summary(match),
+                   "lookup_calls_per_request": round(len(asked) / max(1, len(set(asked))), 2),
+                   "held_per_request": round(len(held) / max(1, len(set(asked))), 2),
+                   "server_lookups_per_request": round(len(sent) / max(1, len(set(asked))), 2)}
+            row.update({f"{mode}_{k}" if mode else k: v for k, v in got.items()})
         if r:  # the first batch is warm-up
-            rounds.append({"build_meta_with_stores": _summary(meta_store), "build_meta_other": _summary(meta_other),
-                           "lookup": _summary(match),
-                           "lookup_calls_per_request": round(len(asked) / max(1, len(set(asked))), 2)})
+            rounds.append(row)
             print(f"round {r}: {rounds[-1]}", flush=True)
     if server is not None:
         server.terminate()
@@ -101,7 +125,7 @@ def main() -> int:
     doc = {"benchmark": "scheduler_hooks", "date": time.strftime("%Y-%m-%d"), **environment(),
            "code": code.strip() or None, "model": "tiny_model.DEMO", "server": args.server, "streams": args.streams,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
-           "chunk_size": args.chunk, "rounds": rounds}
+           "chunk_size": args.chunk, "miss_reuse_s": {m: v for m, v in modes.items() if m}, "rounds": rounds}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -443,3 +443,52 @@ def test_a_lookup_answered_after_vllm_computed_less_is_asked_again(qwen3_model, 
         assert _delta(before, after, "server_hit_tokens") == 6 * CHUNK
     finally:
         shutdown(llm)
+
+
+@pytest.mark.newest_lane
+@pytest.mark.parametrize("reuse_s", [60.0, 0.0])
+def test_a_miss_answer_stands_while_vllm_asks_again(qwen3_model, server, monkeypatch, reuse_s):
+    """vLLM asks again about a request it did not schedule after asking (here: its prompt does
+    not fit what is left of the step's token budget, chunked prefill off), often every step.
+    The server's answer that it holds nothing for the prompt stands for
+    :data:`MISS_REUSE_S`: one lookup per request however often vLLM asks.  With the reuse off
+    (0 s) a re-ask sends a lookup again, so the reuse is what makes the difference.  The
+    outputs are right either way, and a prompt stored meanwhile is a hit once the answer lapses."""
+    from collections import Counter
+
+    from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.tiers.mp import ServerIndex
+
+    monkeypatch.setattr(smod, "MISS_REUSE_S", reuse_s)
+    prompts = [prompt(3 * CHUNK + 3, seed=900 + i) for i in range(5)]
+    sched = {"budget": 4 * CHUNK, "max_model_len": 4 * CHUNK, "enable_chunked_prefill": False}
+    want = _baseline(qwen3_model, 32, [prompts], **sched)
+    asks, sent = Counter(), []
+    lookup, match = ServerIndex.lookup, smod.SchedulerSide.get_num_new_matched_tokens
+
+    def counted_lookup(self, keys, first):
+        sent.append(first)
+        return lookup(self, keys, first)
+
+    def counted_match(self, request, num_computed):
+        got = match(self, request, num_computed)
+        asks[request.request_id, got[0] is None] += 1
+        return got
+
+    monkeypatch.setattr(ServerIndex, "lookup", counted_lookup)
+    monkeypatch.setattr(smod.SchedulerSide, "get_num_new_matched_tokens", counted_match)
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address}, **sched)
+    try:
+        outs = generate(llm, prompts)
+        assert [o.token_ids for o in outs] == want
+        answered = {req: n for (req, held), n in asks.items() if not held}
+        assert max(answered.values()) >= 2, asks  # vLLM asked again after an answer
+        if reuse_s:
+            assert len(sent) == len(prompts), (sent, asks)
+        else:
+            assert len(sent) > len(prompts), (sent, asks)
+        monkeypatch.setattr(smod, "MISS_REUSE_S", 0.0)  # the stored prompts are found again
+        back = generate(llm, prompts[:1])[0]
+        assert back.num_cached_tokens == 3 * CHUNK and back.token_ids == outs[0].token_ids
+    finally:
+        shutdown(llm)

@@ -74,6 +74,14 @@ _ASKING = object()
 #: H200 an idle engine's step took 2.4 ms, a busy one's tens of milliseconds).
 LOOKUP_GRACE_S = 0.002
 
+#: how long the server's answer that it holds nothing a request could use stands for that
+#: request, until vLLM first schedules it.  vLLM asks again about a request it did not schedule
+#: (no token budget, no free blocks), often every step; each such ask would send one more lookup
+#: and could hold the request back one more step.  Reusing the answer can only miss a hit
+#: stored meanwhile: that prompt is then computed, which is always correct.  A request vLLM
+#: scheduled (then preempted) is asked afresh: its own chunks may be on the server by then.
+MISS_REUSE_S = 1.0
+
 
 class SchedulerSide(StoreDecisions, LoneFetch):
     """The scheduler half of :class:`~vllm_kvplugin.connector.KVPluginConnector`."""
@@ -239,7 +247,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         plan = self._local_plan(tr, num_computed, max_hit)
         lease = 0
         local_end = plan.end // C if plan else 0
-        if self.server is not None and local_end < max_hit:
+        if self.server is not None and local_end < max_hit and not self._miss_stands(tr, num_computed, local_end):
             if tr.server_lookup is None:
                 tr.server_lookup = self.server.lookup_async(tr.keys[:max_hit], num_computed // C)
                 tr.server_lookup_first = num_computed // C
@@ -265,12 +273,22 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                     lease = found.lease
                 else:
                     self._release(found.lease)
+                    tr.server_answered_at = time.monotonic()
         if plan is None:
             return None
         pins: list[tuple[int, int]] = []
         jobs = ([FetchJob(tr.keys[o.position], o.position, o.group, lease=lease) for o in plan.objects] if lease
                 else self._pinned_jobs(tr, plan.objects, pins))
         return Fetch(plan, jobs, lease, pins, issued=time.monotonic())
+
+    def _miss_stands(self, tr: RequestTracker, num_computed: int, local_end: int) -> bool:
+        """The server's last answer for ``tr`` (within :data:`MISS_REUSE_S`, the request never
+        scheduled since) holds nothing beyond what vLLM and the local tier have now, and it was
+        asked from a chunk vLLM still stands at."""
+        C = self.chunk_size
+        return (time.monotonic() - tr.server_answered_at <= MISS_REUSE_S and tr.req_id not in self._started
+                and num_computed // C >= tr.server_lookup_first
+                and (tr.server_hits <= local_end or tr.server_hits * C <= num_computed))
 
     def _local_plan(self, tr: RequestTracker, num_computed: int, limit: int) -> LoadPlan | None:
         """The hit the local tier holds (chunks up to ``limit``), planned."""
