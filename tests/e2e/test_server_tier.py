@@ -492,3 +492,51 @@ def test_a_miss_answer_stands_while_vllm_asks_again(qwen3_model, server, monkeyp
         assert back.num_cached_tokens == 3 * CHUNK and back.token_ids == outs[0].token_ids
     finally:
         shutdown(llm)
+
+
+@pytest.mark.newest_lane
+def test_a_preempted_request_is_looked_up_afresh(qwen3_model, server, monkeypatch):
+    """A request vLLM preempted (here: a KV cache too small for two growing requests) is asked
+    about again from 0 computed tokens.  The server's earlier answer that it held nothing does
+    not stand for it (however long ``MISS_REUSE_S``): the prompt's own chunks, stored while it
+    ran, are looked up afresh and restored from the server.  Outputs as without the plugin."""
+    from collections import Counter
+
+    from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.tiers.mp import ServerIndex
+
+    monkeypatch.setattr(smod, "MISS_REUSE_S", 60.0)
+    prompts = [prompt(3 * CHUNK + 3, seed=950 + i) for i in range(2)]
+    # 64 KiB a block of 32 tokens (4 layers, K and V, 2 heads of 64, bf16): 12 blocks, and each
+    # request grows to 7 of them
+    sched = {"budget": 4 * CHUNK, "max_model_len": 7 * CHUNK, "kv_bytes": 12 * 64 * 1024}
+    llm = engine(qwen3_model, 32, None, **sched)
+    try:
+        want = [o.token_ids for o in generate(llm, prompts, max_tokens=3 * CHUNK)]
+    finally:
+        shutdown(llm)
+    sent, resumed = Counter(), Counter()
+    lookup, match = ServerIndex.lookup_async, smod.SchedulerSide.get_num_new_matched_tokens
+
+    def counted_match(self, request, num_computed):
+        if request.request_id in self._started:
+            resumed[request.request_id] += 1
+        return match(self, request, num_computed)
+
+    monkeypatch.setattr(smod.SchedulerSide, "get_num_new_matched_tokens", counted_match)
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address}, **sched)
+    try:
+        def counted_lookup(self, keys, first):
+            sent[keys[0]] += 1
+            return lookup(self, keys, first)
+
+        monkeypatch.setattr(ServerIndex, "lookup_async", counted_lookup)
+        before = vllm_kvplugin.stats()
+        outs = generate(llm, prompts, max_tokens=3 * CHUNK)
+        after = vllm_kvplugin.stats()
+        assert resumed, "no request was preempted"
+        assert max(sent.values()) >= 2, sent
+        assert _delta(before, after, "server_hit_tokens") >= 3 * CHUNK
+        assert [o.token_ids for o in outs] == want
+    finally:
+        shutdown(llm)
