@@ -286,7 +286,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         scheduled since) holds nothing beyond what vLLM and the local tier have now, and it was
         asked from a chunk vLLM still stands at."""
         C = self.chunk_size
-        return (time.monotonic() - tr.server_answered_at <= MISS_REUSE_S and tr.req_id not in self._started
+        return (tr.server_answered_at is not None and time.monotonic() - tr.server_answered_at <= MISS_REUSE_S
+                and tr.req_id not in self._started
                 and num_computed // C >= tr.server_lookup_first
                 and (tr.server_hits <= local_end or tr.server_hits * C <= num_computed))
 

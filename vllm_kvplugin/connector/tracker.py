@@ -44,5 +44,5 @@ class RequestTracker:
     waiting_since: float = 0.0  # for this engine's stores of its chunks to be acknowledged
     server_lookup: Any = None  # the server lookup in flight (a Future)
     server_lookup_first: int = 0  # the chunk it asked from (its lease pins nothing below it)
-    server_answered_at: float = 0.0  # when its last answer came back with nothing worth a lease
+    server_answered_at: float | None = None  # when its last answer came back with nothing worth a lease
     unkeyed: Any = None  # (ids, key extras) while only the first chunks are keyed (a lone request's lookup)
