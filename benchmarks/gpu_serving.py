@@ -215,10 +215,12 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for case in CASES:
                 for mode in order:
-                    s0 = _proc_cpu_s(server.pid) if server is not None and mode == "kvplugin-server" else None
+                    watch = server is not None and mode == "kvplugin-server"
+                    s0, l0 = (_proc_cpu_s(server.pid), _server_lookups(address)) if watch else (None, None)
                     b = engines[mode].ask(f"{case} {rnd}")
-                    if s0 is not None:
+                    if watch:
                         b["server_cpu_s"] = round(_proc_cpu_s(server.pid) - s0, 3)
+                        b["server_lookups"] = _server_lookups(address) - l0
                     batches[mode][case].append(b)
             print(f"round {rnd}: " + ", ".join(f"{m} {batches[m]['reuse_0'][-1]['tokens_per_s']:.0f}/"
                                                f"{batches[m]['reuse_80'][-1]['tokens_per_s']:.0f}" for m in modes),
@@ -229,6 +231,17 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
             if args.timeline else None
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
     return {"engines_started_s": started_s, "batches": batches, "kvplugin_stats": stats, "timelines": timelines}
+
+
+def _server_lookups(address: str) -> int:
+    """Lookups the cache server has answered so far (its own counter)."""
+    from vllm_kvplugin.tiers.mp_client import MPClient
+
+    client = MPClient(address, heartbeat=False)
+    try:
+        return int(client.stats()["lookups"])
+    finally:
+        client.close()
 
 
 def _without_outputs(batches: dict) -> dict:
@@ -260,6 +273,7 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
                                                             if v >= 0.05}
             if any("server_cpu_s" in b for b in bs):
                 row[f"{mode}_server_cpu_s_per_batch"] = round(statistics.median(b["server_cpu_s"] for b in bs), 2)
+                row[f"{mode}_server_lookups_each_round"] = [b.get("server_lookups") for b in bs]
             if base is not None and mode != "baseline":
                 ratios = [b["tokens_per_s"] / r["tokens_per_s"] for b, r in zip(bs, base[case])]
                 row[f"{mode}_over_baseline"] = round(statistics.median(ratios), 3)
