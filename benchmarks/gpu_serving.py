@@ -216,7 +216,8 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
             for case in CASES:
                 for mode in order:
                     watch = server is not None and mode == "kvplugin-server"
-                    s0, l0 = (_proc_cpu_s(server.pid), _server_lookups(address)) if watch else (None, None)
+                    l0 = _server_lookups(address) if watch else 0  # (its stats call outside the CPU window)
+                    s0 = _proc_cpu_s(server.pid) if watch else 0.0
                     b = engines[mode].ask(f"{case} {rnd}")
                     if watch:
                         b["server_cpu_s"] = round(_proc_cpu_s(server.pid) - s0, 3)

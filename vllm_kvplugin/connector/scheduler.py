@@ -283,10 +283,11 @@ class SchedulerSide(StoreDecisions, LoneFetch):
 
     def _miss_stands(self, tr: RequestTracker, num_computed: int, local_end: int) -> bool:
         """The server's last answer for ``tr`` (within :data:`MISS_REUSE_S`, the request never
-        scheduled since) holds nothing beyond what vLLM and the local tier have now, and it was
-        asked from a chunk vLLM still stands at."""
+        scheduled since, no newer lookup on its way) holds nothing beyond what vLLM and the local
+        tier have now, and it was asked from a chunk vLLM still stands at."""
         C = self.chunk_size
-        return (tr.server_answered_at is not None and time.monotonic() - tr.server_answered_at <= MISS_REUSE_S
+        return (tr.server_answered_at is not None and tr.server_lookup is None
+                and time.monotonic() - tr.server_answered_at <= MISS_REUSE_S
                 and tr.req_id not in self._started
                 and num_computed // C >= tr.server_lookup_first
                 and (tr.server_hits <= local_end or tr.server_hits * C <= num_computed))
