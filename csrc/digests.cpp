@@ -37,12 +37,16 @@ at::Tensor segment_digests_cpu(const at::Tensor& data, int64_t segment_bytes) {
   at::Tensor out = at::empty({rows, segs}, data.options().dtype(at::kLong));
   const uint8_t* base = data.data_ptr<uint8_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows * segs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / segs, k = i % segs;
-      const int64_t len = std::min(segment_bytes, n - k * segment_bytes);
-      o[i] = static_cast<int64_t>(xxh3::hash64(base + r * n + k * segment_bytes,
-                                               static_cast<uint64_t>(std::max<int64_t>(0, len))));
+  // rows in parallel: a call of one row (a payload hashed by one of the plugin's hashing
+  // threads, which call this op at once from several Python threads) runs on its caller's
+  // thread, never in the intra-op pool
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t k = 0; k < segs; ++k) {
+        const int64_t len = std::min(segment_bytes, n - k * segment_bytes);
+        o[r * segs + k] = static_cast<int64_t>(xxh3::hash64_host(
+            base + r * n + k * segment_bytes, static_cast<uint64_t>(std::max<int64_t>(0, len))));
+      }
     }
   });
   return out;

@@ -1,9 +1,16 @@
 """Payload checksums of many chunks at once, on several host threads.
 
-xxh3 releases the GIL on large inputs, so the chunks of one load or store are
-hashed in parallel: on the H200's host one thread hashed a 16k-token load
-(2.4 GB) slower than the PCIe link moved it.  Same values as
-:func:`~vllm_kvplugin.chunk.format.payload_checksum`, in the input order.
+The chunks of one load or store are hashed in parallel: on the H200's host one
+thread hashed a 16k-token load (2.4 GB) slower than the PCIe link moved it.
+Same values as :func:`~vllm_kvplugin.chunk.format.payload_checksum`, in the
+input order.
+
+A payload of :data:`OP_MIN_BYTES` or more is hashed by the compiled CPU op
+(``kvplugin::segment_digests``), one call that releases Python's GIL for the
+whole payload.  The xxhash library's call per 256 KiB segment releases it too,
+but takes it back between segments: on the H200's host, sixteen hashing
+threads doing that held vLLM's own thread back (a fetch that needs 1.3 ms of
+its CPU took 8 ms while a burst of hits was hashed on the host).
 
 Checksums still being computed -- here, or on a GPU (``transfer/cuda.py``'s
 ``DeviceDigests``) -- are :class:`PendingChecksums`; :func:`join_checksums` makes
@@ -20,11 +27,13 @@ from typing import Protocol
 
 import numpy as np
 
-from vllm_kvplugin.chunk.format import payload_checksum
+from vllm_kvplugin.chunk.format import SEGMENT_BYTES, combine_segments, payload_checksum
 
 #: below this many bytes in all, one thread (a thread hop costs more than it saves)
 PARALLEL_MIN_BYTES = 8 << 20
 MAX_THREADS = 16  # a GPU host's cores hash while the link moves the same bytes
+#: a payload of at least this many bytes is hashed by the compiled op, where it is built
+OP_MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -41,6 +50,41 @@ def _executor() -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(n, thread_name_prefix="kvplugin-xxh3")
             _pool_pid = os.getpid()
         return _pool
+
+
+_op: Callable | None = None
+_op_known = False
+
+
+def _segment_op() -> Callable | None:
+    """``kvplugin::segment_digests`` when the compiled CPU kernel is loaded (looked up once)."""
+    global _op, _op_known
+    if not _op_known:
+        with _lock:
+            if not _op_known:
+                try:
+                    import torch
+
+                    from vllm_kvplugin import ops
+                    _op = torch.ops.kvplugin.segment_digests if ops.load().cpu == "C++ kernel" else None
+                except Exception:  # no torch, or ops that do not load: the library hashes
+                    _op = None
+                _op_known = True
+    return _op
+
+
+def checksum(payload: memoryview) -> int:
+    """``payload_checksum`` of one payload: by the compiled op (the GIL released throughout)
+    for a large, writable, contiguous one, where the op is built; else by the xxhash library."""
+    big = (isinstance(payload, memoryview) and payload.nbytes >= OP_MIN_BYTES and not payload.readonly
+           and payload.c_contiguous)
+    op = _segment_op() if big else None
+    if op is None:
+        return payload_checksum(payload)
+    import torch
+    rows = torch.frombuffer(payload.cast("B") if payload.ndim != 1 or payload.format != "B" else payload,
+                            dtype=torch.uint8).view(1, -1)
+    return combine_segments(op(rows, SEGMENT_BYTES)[0].tolist())
 
 
 def payload_checksums(payloads: Sequence[memoryview]) -> list[int]:
@@ -133,7 +177,7 @@ class StartedChecksums:
 
     def result(self) -> list[int]:
         """The checksums, in the payloads' order (waits for the hashing threads)."""
-        return [f.result() if f is not None else payload_checksum(p) for p, f in zip(self._payloads, self._futures)]
+        return [f.result() if f is not None else checksum(p) for p, f in zip(self._payloads, self._futures)]
 
 
 def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:
@@ -142,15 +186,15 @@ def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:
     hashed when the result is asked for, on the asking thread."""
     if len(payloads) < 2 or sum(p.nbytes for p in payloads) < PARALLEL_MIN_BYTES:
         return StartedChecksums(payloads, None)
-    return StartedChecksums(payloads, [_executor().submit(payload_checksum, p) for p in payloads])
+    return StartedChecksums(payloads, [_executor().submit(checksum, p) for p in payloads])
 
 
 def _hash_then_copy(item: tuple[memoryview, memoryview, int | None]) -> int:
-    src, dst, checksum = item
-    if checksum is None:
-        checksum = payload_checksum(src)
+    src, dst, known = item
+    if known is None:
+        known = checksum(src)
     np.copyto(np.asarray(dst), np.asarray(src))  # numpy copies without the GIL
-    return checksum
+    return known
 
 
 def hash_then_copy(srcs: Sequence[memoryview], dsts: Sequence[memoryview],
