@@ -8,9 +8,10 @@ input order.
 A payload of :data:`OP_MIN_BYTES` or more is hashed by the compiled CPU op
 (``kvplugin::segment_digests``), one call that releases Python's GIL for the
 whole payload.  The xxhash library's call per 256 KiB segment releases it too,
-but takes it back between segments: on the H200's host, sixteen hashing
-threads doing that held vLLM's own thread back (a fetch that needs 1.3 ms of
-its CPU took 8 ms while a burst of hits was hashed on the host).
+but takes it back between segments, so vLLM's thread waits for it each time it
+lets go (``benchmarks/host_hash.py``: 16x slower small torch calls beside four
+such threads on a 2-core machine).  On the H200's host, while fourteen of them
+hashed a burst of hits, each of vLLM's fetch calls took ~8 ms for 1.3 ms of CPU.
 
 Checksums still being computed -- here, or on a GPU (``transfer/cuda.py``'s
 ``DeviceDigests``) -- are :class:`PendingChecksums`; :func:`join_checksums` makes
