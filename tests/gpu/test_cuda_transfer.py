@@ -428,6 +428,23 @@ def test_a_prefetch_does_not_hold_a_large_idle_buffer():
     assert len(eng._pool) == 1 and nbytes <= eng._pool[0].tensor.numel() <= held_limit(nbytes)
 
 
+def test_warm_up_keeps_an_idle_buffer_that_a_first_hit_holds(monkeypatch):
+    """After a warm-up with ``keep_bytes``, a prefetch of up to that size allocates no device
+    memory and its load is the reference's; under a cap without room, nothing is kept."""
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    case, layout, layers, slots, bufs = _prefetch_case(eng, seed=33)
+    nbytes = sum(b.nbytes for b in bufs)
+    eng.warm_up(layout, layers, 64, keep_bytes=nbytes)
+    assert any(e.tensor.numel() >= nbytes and not e.held for e in eng._pool)
+    allocs, real = [], eng._alloc
+    monkeypatch.setattr(eng, "_alloc", lambda n: allocs.append(n) or real(n))
+    assert _load_prefetched(eng, layout, layers, slots, bufs) == len(bufs)
+    assert allocs == []
+    tight = CudaTransfer(torch.device("cuda", torch.cuda.current_device()), staging_cap_bytes=nbytes // 2)
+    tight.warm_up(layout, layers, 64, keep_bytes=nbytes)
+    assert tight._pool and all(e.tensor.numel() < nbytes for e in tight._pool)
+
+
 def test_automatic_staging_cap_follows_free_device_memory(monkeypatch):
     eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
     free, total = torch.cuda.mem_get_info()

@@ -177,9 +177,11 @@ class WorkerSide(FetchPath, StorePath):
         self.finisher = StoreFinisher(self.engine, self._finish,
                                       asynchronous=self.device.type == "cuda" or finisher.ASYNC_ON_HOST,
                                       on_done=self._stores_finished)
+        step_chunks = -(-_common.max_batched_tokens(self.vllm_config) // self.chunk_size) + 1
         for g, layout in enumerate(self.layouts):  # a first hit as fast as later ones
-            if not self.groups[g].is_state:
-                self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size))
+            if not self.groups[g].is_state:  # and a buffer for a full step's store, or a hit that size
+                self.engine.warm_up(layout, self.layers[g], self.groups[g].stored_tokens(self.chunk_size),
+                                    keep_bytes=step_chunks * self.groups[g].object_bytes(self.chunk_size))
         payload_checksums([memoryview(bytearray(PARALLEL_MIN_BYTES))] * 2)  # the hashing threads
         num_slots = slots_for_budget(self.cfg.cpu_bytes, [g.object_bytes(self.chunk_size) for g in self.groups])
         pin = self.device.type == "cuda"

@@ -38,8 +38,9 @@ class CpuTransfer:
     def pump(self) -> None:
         return None  # copies are done when issued
 
-    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
-        return None  # nothing costs more the first time
+    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int,
+                keep_bytes: int = 0) -> None:
+        return None  # nothing costs more the first time, and there is no staging
 
     def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> None:
         return None  # the cache is in host memory: nothing to move ahead

@@ -329,10 +329,12 @@ class CudaTransfer(StorePath):
 
 
     # ----------------------------------------------------------------- warm-up
-    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int) -> None:
+    def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int,
+                keep_bytes: int = 0) -> None:
         """At registration: one store and one prefetched, digested load of the last block's own
         bytes (back where they came from), through every path a first hit takes: the kernels are loaded,
-        the streams and a staging buffer exist, so the first hit costs what later ones do."""
+        the streams and a staging buffer exist, so the first hit costs what later ones do.
+        ``keep_bytes``: then an idle staging buffer of that size is kept (:meth:`_keep_idle`)."""
         n = max(1, tokens // layout.block_size)
         blocks = torch.arange(layout.num_blocks - n, layout.num_blocks, dtype=torch.int64)
         t = torch.arange(n * layout.block_size, dtype=torch.int64)
@@ -348,6 +350,29 @@ class CudaTransfer(StorePath):
         self.load(layout, layers, slots, [buf], staged=(pre, [0]) if pre is not None else None)
         self.release(pre)
         torch.cuda.synchronize(self.device)
+        if keep_bytes > 0:
+            self._keep_idle(keep_bytes)
+
+    def _keep_idle(self, nbytes: int) -> None:
+        """An idle staging buffer of ``nbytes`` made now, within the cap and the count, unless
+        an unheld one that large exists: a first hit (or store) of up to that size then finds
+        its buffer.  Made later, on the hit's path, such an allocation can meet a full device,
+        where PyTorch's allocator frees its cache and synchronizes the device first (50 ms of a
+        first 8k hit on the H200, its copy stalled meanwhile).  Nothing kept where there is no
+        room."""
+        if any(not e.held and e.tensor.numel() >= nbytes for e in self._pool):
+            return
+        held = sum(e.tensor.numel() for e in self._pool)
+        if len(self._pool) >= self.max_staging_buffers or held + nbytes > self.staging_cap_bytes:
+            logger.info("vllm-kvplugin: no room for an idle %d-byte staging buffer at start-up; a first "
+                        "hit allocates its own", nbytes)
+            return
+        try:
+            with torch.cuda.device(self.device):
+                self._pool.append(Staging(self._alloc(nbytes)))
+        except torch.OutOfMemoryError:
+            logger.info("vllm-kvplugin: no device memory for an idle %d-byte staging buffer at start-up",
+                        nbytes)
 
     # ---------------------------------------------------------------- prefetch
     def prefetch(self, layout: KVLayout, bufs: Sequence[torch.Tensor]) -> Prefetch | None:
