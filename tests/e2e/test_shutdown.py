@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import weakref
 
 import pytest
@@ -32,16 +31,16 @@ def _plugin_threads() -> list[str]:
 @pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=pytest.mark.server)])
 def test_an_engine_shut_down_finishes_its_stores_and_leaves_nothing_running(qwen3_model, tier, request,
                                                                              monkeypatch):
-    """The finisher on its own thread (as on a GPU), each store finishing 0.3 s late: the engine
-    is shut down while P's store is still finishing.  The store completes (counted; through the
-    server a new engine then hits P in full), no plugin thread is left and the worker half is
-    garbage."""
+    """The finisher on its own thread (as on a GPU), its stores held until 0.3 s after the
+    engine is told to shut down: the engine stops while P's stores are still finishing.  They
+    complete (counted; through the server a new engine then hits P in full), no plugin thread is
+    left and the worker half is garbage."""
     from vllm_kvplugin.connector import finisher
     from vllm_kvplugin.connector import worker as wmod
 
     monkeypatch.setattr(finisher, "ASYNC_ON_HOST", True)
-    finish = wmod.WorkerSide._finish
-    monkeypatch.setattr(wmod.WorkerSide, "_finish", lambda self, e: time.sleep(0.3) or finish(self, e))
+    finish, gate = wmod.WorkerSide._finish, threading.Event()
+    monkeypatch.setattr(wmod.WorkerSide, "_finish", lambda self, e: (gate.wait(30), finish(self, e))[1])
     want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
     cfg = {"chunk_size": CHUNK}
     if tier == "server":
@@ -53,9 +52,10 @@ def test_an_engine_shut_down_finishes_its_stores_and_leaves_nothing_running(qwen
     try:
         assert generate(llm, [P])[0].token_ids == want
         worker = weakref.ref(wmod.registered())
-        assert worker().finisher.busy()  # P's store still finishing as the engine stops
+        assert worker().finisher.busy()  # P's stores still finishing as the engine stops
         assert sorted(set(_plugin_threads())) == sorted(expected)
     finally:
+        threading.Timer(0.3, gate.set).start()  # the stores finish while shutdown waits for them
         shutdown(llm)
     del llm
     gc.collect()
