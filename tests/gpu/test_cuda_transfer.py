@@ -432,8 +432,10 @@ def test_warm_up_keeps_an_idle_buffer_that_a_first_hit_holds(monkeypatch):
     """After a warm-up with ``keep_bytes``, a prefetch of up to that size allocates no device
     memory and its load is the reference's; under a cap without room, nothing is kept."""
     eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
-    case, layout, layers, slots, bufs = _prefetch_case(eng, seed=33)
-    nbytes = sum(b.nbytes for b in bufs)
+    case, layout, layers, slots, bufs = _prefetch_case(eng, C=16, seed=33)  # the whole cache
+    nbytes = sum(b.nbytes for b in bufs)  # 4 MiB: beyond the warm-up's own 2 MiB buffer
+    eng.warm_up(layout, layers, 64)
+    assert all(e.tensor.numel() < nbytes for e in eng._pool)  # without the kept buffer
     eng.warm_up(layout, layers, 64, keep_bytes=nbytes)
     assert any(e.tensor.numel() >= nbytes and not e.held for e in eng._pool)
     allocs, real = [], eng._alloc

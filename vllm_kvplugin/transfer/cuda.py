@@ -362,8 +362,8 @@ class CudaTransfer(StorePath):
         room."""
         if any(not e.held and e.tensor.numel() >= nbytes for e in self._pool):
             return
-        held = sum(e.tensor.numel() for e in self._pool)
-        if len(self._pool) >= self.max_staging_buffers or held + nbytes > self.staging_cap_bytes:
+        pooled = sum(e.tensor.numel() for e in self._pool)
+        if len(self._pool) >= self.max_staging_buffers or pooled + nbytes > self.staging_cap_bytes:
             logger.info("vllm-kvplugin: no room for an idle %d-byte staging buffer at start-up; a first "
                         "hit allocates its own", nbytes)
             return
