@@ -81,7 +81,7 @@ from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging
 from vllm_kvplugin.transfer.cuda_pieces import host_runs, launch_groups, staged_runs
 from vllm_kvplugin.transfer.cuda_stores import StorePath
 from vllm_kvplugin.transfer.paced import PacedCopies
-from vllm_kvplugin.transfer.staging_choice import StagingState, choose_staging
+from vllm_kvplugin.transfer.staging_choice import StagingChoice, StagingState, choose_staging
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +206,7 @@ class CudaTransfer(StorePath):
         caller's stream must wait on ``busy``.  ``hold``: kept for a prefetch until released
         (never handed out meanwhile)."""
         self._uses += 1
-        states = [StagingState(e.tensor.numel(), e.held, e.pacing is not None,
-                               e.busy is None or e.busy.query(), e.last_use) for e in self._pool]
-        choice = choose_staging(states, nbytes, hold, lambda: self.staging_cap_bytes, self.max_staging_buffers)
+        choice = self._choice(nbytes, hold)
         if choice.index is None:
             e = Staging(self._alloc(nbytes))
             self._pool.append(e)
@@ -223,6 +221,11 @@ class CudaTransfer(StorePath):
         e.last_use = self._uses
         e.held = hold
         return e
+
+    def _choice(self, nbytes: int, hold: bool) -> StagingChoice:
+        states = [StagingState(e.tensor.numel(), e.held, e.pacing is not None,
+                               e.busy is None or e.busy.query(), e.last_use) for e in self._pool]
+        return choose_staging(states, nbytes, hold, lambda: self.staging_cap_bytes, self.max_staging_buffers)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         size = -(-nbytes // (2 << 20)) * (2 << 20)  # 2 MiB granules
@@ -354,18 +357,17 @@ class CudaTransfer(StorePath):
             self._keep_idle(keep_bytes)
 
     def _keep_idle(self, nbytes: int) -> None:
-        """An idle staging buffer of ``nbytes`` made now, within the cap and the count, unless
-        an unheld one that large exists: a first hit (or store) of up to that size then finds
-        its buffer.  Made later, on the hit's path, such an allocation can meet a full device,
-        where PyTorch's allocator frees its cache and synchronizes the device first (50 ms of a
-        first 8k hit on the H200, its copy stalled meanwhile).  Nothing kept where there is no
-        room."""
-        if any(not e.held and e.tensor.numel() >= nbytes for e in self._pool):
-            return
-        pooled = sum(e.tensor.numel() for e in self._pool)
-        if len(self._pool) >= self.max_staging_buffers or pooled + nbytes > self.staging_cap_bytes:
-            logger.info("vllm-kvplugin: no room for an idle %d-byte staging buffer at start-up; a first "
-                        "hit allocates its own", nbytes)
+        """An idle staging buffer of ``nbytes`` made now where a store of that size would get a
+        new one (``choose_staging``: none idle that large, within the cap and the count): a first
+        hit (or store) of up to that size then finds its buffer.  Made later, on the hit's path,
+        such an allocation can meet a full device, where PyTorch's allocator frees its cache and
+        synchronizes the device first (50 ms of a first 8k hit on the H200, its copy stalled
+        meanwhile).  Nothing kept where there is no room."""
+        choice = self._choice(nbytes, hold=False)
+        if choice.index is not None:  # one that large is there, or only a resize would make room
+            if choice.resize:
+                logger.info("vllm-kvplugin: no room for an idle %d-byte staging buffer at start-up; a "
+                            "first hit allocates its own", nbytes)
             return
         try:
             with torch.cuda.device(self.device):
