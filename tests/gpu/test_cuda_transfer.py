@@ -401,7 +401,7 @@ def _load_prefetched(eng, layout, layers, slots, bufs):
     pre = eng.prefetch(layout, bufs)
     rows = 0 if pre is None else pre.rows
     if rows:
-        eng.load(layout, layers, slots[:rows], bufs[:rows], staged=(pre, list(range(rows))))
+        eng.load(layout, layers, slots[:rows], bufs[:rows], staged=[(pre, list(range(rows)))])
     eng.load(layout, layers, slots[rows:], bufs[rows:])
     eng.release(pre)
     torch.cuda.synchronize()
@@ -544,7 +544,40 @@ def test_staged_load_of_rows_out_of_order_across_pieces():
     want = [r.clone() for r in layers]
     reference_scatter(layout, _ref_views(want, layout.dtype), slots[rows].cuda(),
                       _ref_chunk(torch.cat([bufs[r] for r in rows]).cuda()))
-    eng.load(layout, layers, slots[rows], [bufs[r] for r in rows], staged=(pre, rows))
+    eng.load(layout, layers, slots[rows], [bufs[r] for r in rows], staged=[(pre, rows)])
     eng.release(pre)
     torch.cuda.synchronize()
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_two_prefetches_are_scattered_by_one_load(landed):
+    """A split hit's two prefetches (rows of each out of order, one row left out) loaded by one
+    call: once both copies have landed, one launch scatters them all; before, each run goes
+    after its own piece.  Either way the poisoned cache then holds the reference's bytes."""
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    if not eng.kernel:
+        pytest.skip("staged loads need the CUDA kernel")
+    case, layout, layers, slots, bufs = _prefetch_case(eng, C=10, seed=32)
+    for r in layers:
+        r.view(torch.uint8).fill_(0xA5)
+    first, second = eng.prefetch(layout, bufs[:4]), eng.prefetch(layout, bufs[4:])
+    assert first is not None and second is not None and (first.rows, second.rows) == (4, 6)
+    if landed:
+        torch.cuda.synchronize()
+    parts = [(first, [1, 0, 3]), (second, [5, 0, 1, 2])]  # bufs 1, 0, 3, then 9, 4, 5, 6 (2, 7, 8 left out)
+    order = [1, 0, 3, 9, 4, 5, 6]
+    want = [r.clone() for r in layers]
+    reference_scatter(layout, _ref_views(want, layout.dtype), slots[order].cuda(),
+                      _ref_chunk(torch.cat([bufs[i] for i in order]).cuda()))
+    calls, scatter = [], eng._scatter
+    eng._scatter = lambda *a: calls.append(len(a[3])) or scatter(*a)
+    eng.load(layout, layers, slots[order], [bufs[i] for i in order], staged=parts)
+    eng.release(first)
+    eng.release(second)
+    torch.cuda.synchronize()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))
+    if landed:
+        assert calls == [5]  # one launch: the runs [1], [0], [3] and [5], [0, 1, 2]
+    with pytest.raises(ValueError, match="do not cover"):
+        eng.load(layout, layers, slots[order], [bufs[i] for i in order], staged=parts[:1])

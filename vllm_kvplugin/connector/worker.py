@@ -301,16 +301,21 @@ class WorkerSide(FetchPath, StorePath):
                         moved[g] += spec.state_bytes
                     continue
                 layout = self.layouts[g]
-                sent = [s for s in prefetched if s.group == g]  # on the device already (one prefetch or two)
-                parts = [([i for i, j in enumerate(jobs) if j.position in s.rows], s) for s in sent]
-                parts.append(([i for i, j in enumerate(jobs) if not any(j.position in s.rows for s in sent)], None))
-                for part, s in parts:
+                # on the device already (one prefetch or two): scattered by one call, in the
+                # prefetches' order; the rest goes over the link
+                on_device, staged_jobs = [], []
+                for s in prefetched:
+                    part = [i for i, j in enumerate(jobs) if j.position in s.rows] if s.group == g else []
+                    if part:
+                        on_device.append((s.pre, [s.rows[jobs[i].position] for i in part]))
+                        staged_jobs += part
+                linked = sorted(set(range(len(jobs))) - set(staged_jobs))
+                for part, staged in ((staged_jobs, on_device), (linked, None)):
                     if not part:
                         continue
                     slot_t = self.object_slots([jobs[i] for i in part])
                     moved[g] += slot_count(slot_t) * layout.bytes_per_token
-                    on_device = (s.pre, [s.rows[jobs[i].position] for i in part]) if s is not None else None
-                    work.append((layout, self.layers[g], slot_t, [srcs[i] for i in part], on_device))
+                    work.append((layout, self.layers[g], slot_t, [srcs[i] for i in part], staged))
             if tuple(moved) != tuple(req.expected_bytes):  # checked before a byte is written
                 raise ChunkError("byte_mismatch", f"would move {moved} bytes, planned {list(req.expected_bytes)}")
             for layout, layers, slot_t, bufs, on_device in work:

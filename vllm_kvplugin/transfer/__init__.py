@@ -24,7 +24,8 @@ Contract, for the worker (one thread, vLLM's worker thread):
 * :meth:`TransferEngine.prefetch` starts moving whole host chunks toward the
   device while their bytes are verified on the host (returns at once; None when
   the engine has nothing to gain or no room); a later ``load`` given
-  ``staged=(prefetch, rows)`` scatters those rows without using the link.
+  ``staged=[(prefetch, rows), ...]`` scatters those rows (of one prefetch or several, in
+  that order) without using the link.
   :meth:`TransferEngine.release` gives a prefetch's room back.
 * :meth:`TransferEngine.digest` starts the payload digests of a prefetch's rows on the device
   (a :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`; None: the host must verify them),

@@ -287,26 +287,36 @@ class CudaTransfer(StorePath):
             for i, j, host in host_runs(bufs, 0, len(bufs)):
                 stage[i:j].copy_(host, non_blocking=True)
 
-    def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor, pre: Prefetch,
-                     rows: Sequence[int]) -> None:
-        """Scatter prefetched rows into the paged cache, each run of consecutive rows after its
-        piece of the copy (one launch per run; all of them at once when the copy has landed):
-        the compute stream waits for all of it."""
+    def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor,
+                     parts: Sequence[tuple[Prefetch, Sequence[int]]]) -> None:
+        """Scatter prefetched rows into the paged cache: ``parts`` (prefetch, its rows), whose rows
+        in order are ``slots``' objects.  Where every part's copy has landed (after a verdict of
+        device digests, which waited for all of it) one launch scatters them all; otherwise each
+        run of consecutive rows goes after its piece of the copy.  The compute stream waits for
+        all of it."""
         with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
             self._kern.wait_event(self._event(compute))
             for ev in self._pending_gathers:  # a pending store may still read a reused block
                 self._kern.wait_event(ev)
-            # the last piece in means every piece is (one stream): so it is after a verdict of
-            # device digests, which waited for all of them -- one launch, nothing to wait for
-            bounds = None if pre.event.query() else [(a, b) for a, b, _ in pre.pieces]
+            landed = all(pre.event.query() for pre, _ in parts)  # (one stream: its last piece in, all are)
             with torch.cuda.stream(self._kern):
-                for i, j, k in staged_runs(rows, bounds):
-                    if k is not None:
-                        self._kern.wait_event(pre.pieces[k][2])
-                    self._scatter(layout, layers, slots[i:j], [pre.stage[rows[i]:rows[i] + (j - i)]], 0)
+                if landed:
+                    srcs = [pre.stage[rows[i]:rows[i] + (j - i)] for pre, rows in parts
+                            for i, j, _ in staged_runs(rows, None)]
+                    self._scatter(layout, layers, slots, srcs, 0)
+                else:
+                    at = 0  # the first slot row of this part
+                    for pre, rows in parts:
+                        for i, j, k in staged_runs(rows, [(a, b) for a, b, _ in pre.pieces]):
+                            if k is not None:
+                                self._kern.wait_event(pre.pieces[k][2])
+                            src = pre.stage[rows[i]:rows[i] + (j - i)]
+                            self._scatter(layout, layers, slots[at + i:at + j], [src], 0)
+                        at += len(rows)
                 done = self._event(self._kern)
-            pre.staging.busy = done
+            for pre, _ in parts:
+                pre.staging.busy = done
             compute.wait_event(done)
 
     @staticmethod
@@ -350,7 +360,7 @@ class CudaTransfer(StorePath):
         digests = self.digest(pre)
         if digests is not None:
             digests.result()
-        self.load(layout, layers, slots, [buf], staged=(pre, [0]) if pre is not None else None)
+        self.load(layout, layers, slots, [buf], staged=[(pre, [0])] if pre is not None else None)
         self.release(pre)
         torch.cuda.synchronize(self.device)
         if keep_bytes > 0:
@@ -434,12 +444,16 @@ class CudaTransfer(StorePath):
 
     # -------------------------------------------------------------------- loads
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
-             bufs: Sequence[torch.Tensor], staged: tuple[Prefetch, Sequence[int]] | None = None) -> None:
-        """``staged``: the bytes of ``bufs`` are rows ``rows`` of a prefetch (no copy over the link)."""
+             bufs: Sequence[torch.Tensor],
+             staged: Sequence[tuple[Prefetch, Sequence[int]]] | None = None) -> None:
+        """``staged``: the bytes of ``bufs`` are, in order, the rows ``rows`` of each
+        ``(prefetch, rows)`` (no copy over the link)."""
         if not bufs:
             return
-        if staged is not None and self.kernel:
-            self._load_staged(layout, layers, self._check(layout, slots, bufs, read=False), *staged)
+        if staged and self.kernel:
+            if sum(len(rows) for _, rows in staged) != len(bufs):
+                raise ValueError(f"staged rows {[list(r) for _, r in staged]} do not cover the {len(bufs)} buffers")
+            self._load_staged(layout, layers, self._check(layout, slots, bufs, read=False), staged)
             return
         slots = self._check(layout, slots, bufs)
         C, T = slots.shape
