@@ -27,7 +27,13 @@ stages and timeline (every step, forward, fetch, hash, copy) are kept in the res
 
 Each batch also records where the engine's main thread ran and how busy its core's other
 logical CPUs were meanwhile (``host_cpus.MainThreadWatch``); with ``--pin-main`` each engine's
-main thread has a physical core of its own.
+main thread has a physical core of its own.  Around each batch the engine's main thread runs
+``host_cpus.speed_probe`` (a fixed piece of work, before and after): the same batch took ~3.5 or
+~5.5 s of that thread's CPU from one round to the next, every mode alike, and the eager engine is
+bound by that thread.  Besides the plain per-round ratio, each mode's ratio is also given with
+each batch's time scaled by its probe's (``..._speed_normalized``; the batch counted in units
+of the probe's work), and the probes' drift over the batch (after / before).  ``--cases
+reuse_0`` runs the 0%-reuse batches alone: twice the rounds in the same time.
 
 Throughput = (prompt + generated tokens) / wall seconds of the batch.  A plugin engine's stores
 still in flight when ``generate`` returns are then waited for, outside the batch's wall time
@@ -53,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, mode_knobs, transfer_config  # noqa: E402
-from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores  # noqa: E402
+from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores, speed_probe  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
 from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
 
@@ -153,11 +159,13 @@ def run_resident(mode: str, args) -> None:
         llm.reset_prefix_cache()  # a reuse_80 hit can only come from the connector
         if timed:
             timers.reset()
+        probe = speed_probe()
         c0, t0 = _cpu_s(), _threads_cpu_s()
         with MainThreadWatch(pinned=args.main_cpu) as watch:
             out = _batch(llm, prompts_of(case, int(rnd), args.streams, args.prompt_tokens, args.chunk),
                          args.max_tokens)
         out.update(watch.result())
+        out["probe_s"] = [round(probe, 5), round(speed_probe(), 5)]  # (before the stores' drain)
         out["drain_s"] = _drain(mode)
         out["cpu_s"] = round(_cpu_s() - c0, 3)  # (the batch's stores finished included)
         out["cpu_s_by_thread"] = _by_thread(t0, _threads_cpu_s())
@@ -206,14 +214,14 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
             + (["--main-cpu", str(main_cpu[mode])] if mode in main_cpu else [])
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
-    batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in CASES} for m in modes}
+    batches: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in args.cases} for m in modes}
     t0 = time.time()
     with running(__file__, modes, args_for, log_dir, server) as engines:
         started_s = round(time.time() - t0, 1)
         print(f"{len(modes)} engines ready in {started_s} s", file=sys.stderr, flush=True)
         for rnd in range(args.rounds):
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
-            for case in CASES:
+            for case in args.cases:
                 for mode in order:
                     watch = server is not None and mode == "kvplugin-server"
                     l0 = _server_lookups(address) if watch else 0  # (its stats call outside the CPU window)
@@ -223,12 +231,12 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
                         b["server_cpu_s"] = round(_proc_cpu_s(server.pid) - s0, 3)
                         b["server_lookups"] = _server_lookups(address) - l0
                     batches[mode][case].append(b)
-            print(f"round {rnd}: " + ", ".join(f"{m} {batches[m]['reuse_0'][-1]['tokens_per_s']:.0f}/"
-                                               f"{batches[m]['reuse_80'][-1]['tokens_per_s']:.0f}" for m in modes),
+            print(f"round {rnd}: " + ", ".join(f"{m} " + "/".join(f"{batches[m][c][-1]['tokens_per_s']:.0f}"
+                                                                   for c in args.cases) for m in modes),
                   file=sys.stderr, flush=True)
             if partial:
                 partial.write_text(json.dumps({"partial": True, "batches": _without_outputs(batches)}))
-        timelines = {m: {c: e.ask(f"timeline {c} {args.rounds}") for c in CASES} for m, e in engines.items()} \
+        timelines = {m: {c: e.ask(f"timeline {c} {args.rounds}") for c in args.cases} for m, e in engines.items()} \
             if args.timeline else None
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
     return {"engines_started_s": started_s, "batches": batches, "kvplugin_stats": stats, "timelines": timelines}
@@ -250,12 +258,17 @@ def _without_outputs(batches: dict) -> dict:
             for m, cases in batches.items()}
 
 
+def _probe(batch: dict) -> float:
+    """The batch's host-speed probe: the mean of the ones before and after it (seconds)."""
+    return sum(batch["probe_s"]) / 2
+
+
 def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
     """Per case: each mode's median throughput, its per-round ratios to the baseline and their
     median, the engine's CPU seconds per batch, whether its outputs equal the baseline's."""
     base = batches.get("baseline")
     summary = []
-    for case in CASES:
+    for case in next(iter(batches.values())):
         row: dict = {"case": case}
         for mode, cases in batches.items():
             bs = cases[case]
@@ -265,6 +278,9 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
             row[f"{mode}_main_thread_cpu_s_each_round"] = [b.get("cpu_s_by_thread", {}).get("main") for b in bs]
             row[f"{mode}_main_cpu_steal_each_round"] = [b.get("main_cpu_steal") for b in bs]
             row[f"{mode}_main_core_sibling_busy_each_round"] = [b.get("main_core_sibling_busy") for b in bs]
+            if all("probe_s" in b for b in bs):
+                row[f"{mode}_probe_ms_each_round"] = [round(_probe(b) * 1e3, 2) for b in bs]
+                row[f"{mode}_probe_drift_each_round"] = [round(b["probe_s"][1] / b["probe_s"][0], 3) for b in bs]
             row[f"{mode}_drain_s_per_batch"] = round(statistics.median(b.get("drain_s", 0.0) for b in bs), 4)
             threads = {name for b in bs for name in b.get("cpu_s_by_thread", {})}
             if threads:
@@ -279,6 +295,10 @@ def summarize(batches: dict[str, dict[str, list[dict]]]) -> list[dict]:
                 ratios = [b["tokens_per_s"] / r["tokens_per_s"] for b, r in zip(bs, base[case])]
                 row[f"{mode}_over_baseline"] = round(statistics.median(ratios), 3)
                 row[f"{mode}_over_baseline_each_round"] = [round(x, 3) for x in ratios]
+                if all("probe_s" in b for b in bs + base[case]):  # each batch in units of its probe's work
+                    scaled = [x * _probe(b) / _probe(r) for x, b, r in zip(ratios, bs, base[case])]
+                    row[f"{mode}_over_baseline_speed_normalized"] = round(statistics.median(scaled), 3)
+                    row[f"{mode}_over_baseline_speed_normalized_each_round"] = [round(x, 3) for x in scaled]
                 row[f"{mode}_outputs_match_baseline"] = all(
                     b["outputs"] == r["outputs"] for b, r in zip(bs, base[case]))
         if "kvplugin" in batches and "kvplugin-server" in batches:
@@ -308,13 +328,17 @@ def main() -> int:
                     help="vLLM's gpu_memory_utilization: with kv_cache_memory_bytes set, only its start-up "
                          "check of free memory, which the engines started beside each other must pass")
     ap.add_argument("--gpu-staging-bytes", type=int, default=GPU_STAGING_BYTES)
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of both cases (ratios per round, their median)")
+    ap.add_argument("--cases", type=lambda v: tuple(v.split(",")), default=CASES,
+                    help=f"comma-separated, of {','.join(CASES)}")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of every case (ratios per round, their median)")
     ap.add_argument("--timeline", action="store_true",
                     help="stage timers in every engine, and one more batch of each case with its timeline")
     ap.add_argument("--pin-main", action="store_true",
                     help="each engine's main thread on a physical core of its own (host_cpus.py)")
     ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if set(args.cases) - set(CASES):
+        ap.error(f"--cases: {','.join(args.cases)} is not a list of {','.join(CASES)}")
     if args.child:
         run_resident(args.child, args)
         return 0

@@ -11,6 +11,10 @@ on the same physical core (an SMT sibling).  Two tools, for ``gpu_serving.py`` a
   of its core's siblings, and the steal time of its CPU (the hypervisor running someone else
   on it: a neighbour no pinning inside the VM can move away from), so each batch's speed can be
   set against them.
+* :func:`speed_probe`, before and after a batch: the time of a fixed piece of main-thread work
+  (Python object work and small torch CPU calls, as an eager engine's thread does).  Pinning
+  did not steady the host (the H100, 2026-12-05), so a CPU-bound batch's wall time can instead
+  be set against how fast the same thread ran this probe around it.
 * :func:`reserve_cores` / :func:`pin_main_thread` (``--pin-main``): the parent keeps one physical
   core per engine out of its own affinity (its children, the engines and a cache server, inherit
   that), and each engine, once built, moves its main thread onto the first CPU of its core.  A
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -75,6 +80,25 @@ def pin_main_thread(cpu: int) -> None:
     assert threading.current_thread() is threading.main_thread()
     _shared = set(os.sched_getaffinity(0)) - {cpu}
     os.sched_setaffinity(0, {cpu})  # 0: the calling thread
+
+
+def speed_probe(repeats: int = 5) -> float:
+    """Seconds of one fixed piece of work on the calling thread (20,000 dict stores of small
+    tuples, 2,000 torch additions of 64 floats), the fastest of ``repeats``: the same work
+    every call, so its time says how fast this host runs the thread now."""
+    import torch
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        d: dict[int, tuple[int, str]] = {}
+        for i in range(20_000):
+            d[i & 1023] = (i, str(i))
+        a = torch.ones(64)
+        for _ in range(2_000):
+            a = a + 1
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _tids() -> list[int]:
