@@ -21,7 +21,7 @@ prompts in the same order:
   allocation counts put them, as before ``worker_fetch.GC_IN_FETCH_MIN_BYTES`` (not in the
   default set);
 * ``kvplugin-unsplit`` - ``kvplugin`` whose lone lookups key the whole prompt before the first
-  read, as before ``scheduler_lone.FIRST_PART_CHUNKS`` (not in the default set);
+  read, as before ``metadata.FIRST_PART_CHUNKS`` (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -118,8 +118,8 @@ def mode_knobs(mode: str) -> None:
         from vllm_kvplugin.connector import worker_fetch
         worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
-        from vllm_kvplugin.connector import scheduler_lone
-        scheduler_lone.FIRST_PART_CHUNKS = 0
+        from vllm_kvplugin.connector import metadata
+        metadata.FIRST_PART_CHUNKS = 0
 
 
 def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):

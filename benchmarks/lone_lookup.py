@@ -2,7 +2,7 @@
 
 One engine (in-process, eager, vLLM's prefix cache off), KVPluginConnector with the in-process
 tier.  Per prompt length and pair: a fresh prompt is stored (cold), then repeated twice, once with
-``scheduler_lone.FIRST_PART_CHUNKS`` as shipped (its first chunks keyed, read and sent before the
+``metadata.FIRST_PART_CHUNKS`` as shipped (its first chunks keyed, read and sent before the
 rest are keyed) and once with it 0 (the whole prompt keyed first), the order alternating by pair.
 Measured per repeat: from the start of vLLM's first ``get_num_new_matched_tokens`` call to the
 worker's first ``_prefetch`` call (on a GPU, the copy's issue; the CPU engine's returns at once),
@@ -45,7 +45,7 @@ def main() -> int:
     from vllm.config import KVTransferConfig
 
     from vllm_kvplugin import tiny_model
-    from vllm_kvplugin.connector import scheduler_lone
+    from vllm_kvplugin.connector import metadata
     from vllm_kvplugin.connector.scheduler import SchedulerSide
     from vllm_kvplugin.connector.worker import WorkerSide
 
@@ -74,7 +74,7 @@ def main() -> int:
               kv_cache_memory_bytes=3 << 30, block_size=args.block, kv_transfer_config=ktc, seed=0,
               max_num_batched_tokens=top)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    shipped = scheduler_lone.FIRST_PART_CHUNKS
+    shipped = metadata.FIRST_PART_CHUNKS
     rows = []
     for n in lengths:
         samples: dict[str, list[tuple[float, float]]] = {"split": [], "unsplit": []}
@@ -82,7 +82,7 @@ def main() -> int:
             p = tokens(n, 7000 * n + pair)
             llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
             for mode in ("split", "unsplit") if pair % 2 else ("unsplit", "split"):
-                scheduler_lone.FIRST_PART_CHUNKS = shipped if mode == "split" else 0
+                metadata.FIRST_PART_CHUNKS = shipped if mode == "split" else 0
                 marks.clear()
                 o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
                 want = (n - 1) // args.chunk * args.chunk
@@ -90,7 +90,7 @@ def main() -> int:
                     raise RuntimeError(f"{mode} repeat of {n} tokens hit {o.num_cached_tokens}, not {want}")
                 if pair >= WARM_UP_PAIRS:
                     samples[mode].append((marks["prefetch"] - marks["match"], marks["match_end"] - marks["match"]))
-        scheduler_lone.FIRST_PART_CHUNKS = shipped
+        metadata.FIRST_PART_CHUNKS = shipped
         row = {"prompt_tokens": n}
         for mode, got in samples.items():
             row[f"{mode}_to_first_prefetch_ms"] = round(1e3 * statistics.median(a for a, _ in got), 3)

@@ -107,12 +107,12 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch
             flip, handle = _local_flip(probe, P) if tier == "local" else _server_flip(probe, P, srv.address)
             orig, calls = wmod.WorkerSide._fetch, []
 
-            def fetch_once_wrong(ws, req, more=None):  # wrong bytes while exactly one fetch reads and verifies them
+            def fetch_once_wrong(ws, req, *a, **k):  # wrong bytes while exactly one fetch reads and verifies them
                 calls.append(req.req_id)  # (with the step's metadata, or from the lookup: _fetch_here)
                 if len(calls) == 1:
                     flip()
                 try:
-                    return orig(ws, req, more)
+                    return orig(ws, req, *a, **k)
                 finally:
                     if len(calls) == 1:
                         flip()

@@ -23,6 +23,7 @@ def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model
     byte flipped in chunk 6 (the second part), then in chunk 1 (the first): the verdict ends the
     hit before it (6, then 1 chunk), the object is dropped, the output is right and the next run
     hits in full.  ``FIRST_PART_CHUNKS = 0`` keys the prompt whole before the first read."""
+    from vllm_kvplugin.connector import metadata as mmod
     from vllm_kvplugin.connector import scheduler as smod
     from vllm_kvplugin.connector import scheduler_lone as lmod
     from vllm_kvplugin.connector import worker as wmod
@@ -66,11 +67,88 @@ def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model
                 s = vllm_kvplugin.stats()
                 assert s["load_failures"] == {"checksum": failures} and s["dropped_objects"] == failures
                 run(8)  # stored again where it failed
-            monkeypatch.setattr(lmod, "FIRST_PART_CHUNKS", 0)
+            monkeypatch.setattr(mmod, "FIRST_PART_CHUNKS", 0)
             run(8)
             assert events == [("keys", 8), *reads], events
             s = vllm_kvplugin.stats()
             assert s["lone_fetches"] == 6 and s["split_fetches"] == 5, s
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+        finally:
+            shutdown(llm)
+
+
+@pytest.fixture
+def server():
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from srvutil import ServerProc
+
+    with tempfile.TemporaryDirectory(prefix="kvs-split-", dir="/tmp") as d:
+        s = ServerProc(d, "--l1-bytes", "256MiB", "--l2-dir", os.path.join(d, "l2")).start()
+        yield s
+        s.stop()
+
+
+def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, server, monkeypatch):
+    """P's repeat, alone in an engine whose only tier is the cache server: the server's answer
+    covers all 8 chunks, and the worker resolves, reads and sends the first 4 (``first_part``)
+    before it resolves and reads the other 4 -- one fetch, one verdict over both parts in order.
+    A byte flipped in chunk 3 (the first part) on the server ends the hit before it, the object
+    is dropped there, the output is right on poisoned KV and the next run hits in full.
+    ``FIRST_PART_CHUNKS = 0``: one resolve of all 8 first."""
+    from test_integrity import _server_flip
+
+    from vllm_kvplugin.connector import metadata as mmod
+    from vllm_kvplugin.connector import worker as wmod
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    events: list[tuple[str, object]] = []
+    resolve, read, send = wmod.WorkerSide._resolve_remote, wmod.WorkerSide._object, wmod.WorkerSide._prefetch
+    monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", lambda ws, jobs, views: events.append(
+        ("resolve", [j.position for j in jobs if j.lease])) or resolve(ws, jobs, views))
+    monkeypatch.setattr(wmod.WorkerSide, "_object",
+                        lambda ws, job, view: events.append(("read", job.position)) or read(ws, job, view))
+    monkeypatch.setattr(wmod.WorkerSide, "_prefetch", lambda ws, jobs, found, sent: events.append(
+        ("send", sorted(jobs[n].position for n in found))) or send(ws, jobs, found, sent))
+    first = [("resolve", [0, 1, 2, 3]), *[("read", n) for n in range(4)], ("send", [0, 1, 2, 3])]
+    second = [("resolve", [4, 5, 6, 7]), *[("read", n) for n in range(4, 8)], ("send", [4, 5, 6, 7])]
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+
+            def run(hit: int) -> None:
+                probe.poison_all_blocks(seed=len(probe.loads))
+                events.clear()
+                r = generate(llm, [P])[0]
+                assert r.token_ids == want and r.num_cached_tokens == hit * CHUNK
+                assert probe.loads[-1][1] == hit * CHUNK  # the load's target blocks poisoned first
+                assert probe.worker.finisher.drain(30)
+
+            run(8)
+            assert events == first + second, events
+            assert vllm_kvplugin.stats()["lone_fetches"] == 1
+            flip, client = _server_flip(probe, P, server.address)
+            try:
+                flip()
+                run(3)
+                assert events[:len(first) + len(second)] == first + second, events
+                s = vllm_kvplugin.stats()
+                assert s["load_failures"] == {"checksum": 1}, s
+            finally:
+                client.close()
+            run(8)  # stored again where it failed
+            monkeypatch.setattr(mmod, "FIRST_PART_CHUNKS", 0)
+            run(8)
+            assert events == [("resolve", list(range(8))), *[("read", n) for n in range(8)],
+                              ("send", list(range(8)))], events
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
         finally:
             shutdown(llm)

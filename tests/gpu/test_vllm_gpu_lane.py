@@ -243,7 +243,7 @@ def test_a_hit_partly_prefetched_is_verified_on_both_sides(model, bad, monkeypat
 
 @pytest.mark.parametrize("bad", [6, 1])
 def test_a_lone_split_hit_is_sent_in_two_prefetches(model, bad, monkeypatch):
-    """A lone repeat of 8 chunks is looked up in two parts (``scheduler_lone.FIRST_PART_CHUNKS``):
+    """A lone repeat of 8 chunks is looked up in two parts (``metadata.FIRST_PART_CHUNKS``):
     two prefetches of 4 objects each, both verified on the device (no host hash), one verdict
     over both in order, and one load scattering from both.  A byte flipped in chunk ``bad`` (6:
     the second prefetch, 1: the first) ends the hit before it; the output is right on poisoned

@@ -97,6 +97,20 @@ class StoreRequest:
 #: host, a 64k one 143 ms.)
 IDLE_WAIT_S = 0.05
 
+#: a long hit's first objects are read and sent toward the device before the rest are looked up
+#: (a lone request's, ``connector/scheduler_lone.py``) or read (any other fetch, the worker's):
+#: an eighth of the hit, at least this many.  0: never split.
+FIRST_PART_CHUNKS = 4
+
+
+def first_part(n: int) -> int:
+    """How many of a hit's ``n`` chunks (or objects) go first (:data:`FIRST_PART_CHUNKS`); 0: the
+    hit is too short to split (the rest must be at least as long as the first part)."""
+    if FIRST_PART_CHUNKS <= 0:
+        return 0
+    first = max(FIRST_PART_CHUNKS, n // 8)
+    return first if n >= 2 * first else 0
+
 
 @dataclass
 class KVPluginMetadata(KVConnectorMetadata):

@@ -10,11 +10,13 @@ request known to the connector (running or held back).  A wait then holds up nob
 that arrived along with this one, which wait at most :data:`LONE_FETCH_WAIT_S`.  With other
 requests running the hit goes with the step's metadata instead (a wait would stall their steps).
 
-The split (:meth:`LoneFetch._first_keys`): a long prompt's first chunks are keyed alone; when the
-local tier holds every one of them, the worker reads them and starts their copy, then calls back
-for the rest (:meth:`LoneFetch._first_part`'s ``rest``: the other keys, the whole plan, its pins),
-which it fetches after them as one fetch.  The verdict covers both parts in order, and the claim
-waits for it as before: only the work before the first byte moves under the copy.
+The split (:meth:`LoneFetch._first_keys`, sized by ``metadata.first_part``; unsplit, the keys, plan
+and reads of an 8k-token hit took ~0.5 ms before the first byte on the H200's host): a long
+prompt's first chunks are keyed alone; when the local tier holds every one of them, the worker
+reads them and starts their copy, then calls back for the rest (:meth:`LoneFetch._first_part`'s
+``rest``: the other keys, the whole plan, its pins), which it fetches after them as one fetch.
+The verdict covers both parts in order, and the claim waits for it as before: only the work
+before the first byte moves under the copy.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.keys import chunk_keys
-from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest
+from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest, first_part
 from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 
 #: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
@@ -34,12 +36,6 @@ from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 #: A longer one is held back and claimed in a later step, as with other requests running.  A
 #: request arriving meanwhile waits at most this.
 LONE_FETCH_WAIT_S = 0.25
-
-#: a lone request's lookup keys this many leading chunks first (an eighth of a longer hit) and, when
-#: the local tier holds them all, starts their copy before it keys the rest (on the H200's host the
-#: keys, plan and reads of an 8k-token hit took ~0.5 ms before the first byte).  Split only where
-#: the rest is at least as long.  0: never split.
-FIRST_PART_CHUNKS = 4
 
 
 class LoneFetch:
@@ -81,14 +77,12 @@ class LoneFetch:
         a split is for a lone request whose hit can only come from the local tier, with groups
         that restore every chunk of a prefix (attention, MLA), no store of this engine's still
         unacknowledged (a lookup would wait for those), and a hit long enough for two parts."""
-        if (FIRST_PART_CHUNKS <= 0 or self.server is not None or self._storing
+        if (self.server is not None or self._storing
                 or not all(g.restores_prefix for g in self.groups)
                 or any(idx.num_slots == 0 for idx in self.local) or _common.skips_prefix_cache(request)
                 or self._alone(request.request_id) is None):
             return 0
-        chunks = max(0, (len(ids) - 1) // self.chunk_size - self.drafter)
-        first = max(FIRST_PART_CHUNKS, chunks // 8)
-        return first if chunks >= 2 * first else 0
+        return first_part(max(0, (len(ids) - 1) // self.chunk_size - self.drafter))
 
     def _finish_keys(self, tr: RequestTracker) -> None:
         """The keys of the chunks after the first (a split lookup's), once."""
