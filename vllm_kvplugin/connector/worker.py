@@ -303,23 +303,23 @@ class WorkerSide(FetchPath, StorePath):
                 layout = self.layouts[g]
                 # on the device already (one prefetch or two): scattered by one call, in the
                 # prefetches' order; the rest goes over the link
-                on_device, staged_jobs = [], []
+                from_prefetches, prefetched_jobs = [], []
                 for s in prefetched:
                     part = [i for i, j in enumerate(jobs) if j.position in s.rows] if s.group == g else []
                     if part:
-                        on_device.append((s.pre, [s.rows[jobs[i].position] for i in part]))
-                        staged_jobs += part
-                linked = sorted(set(range(len(jobs))) - set(staged_jobs))
-                for part, staged in ((staged_jobs, on_device), (linked, None)):
+                        from_prefetches.append((s.pre, [s.rows[jobs[i].position] for i in part]))
+                        prefetched_jobs += part
+                linked = sorted(set(range(len(jobs))) - set(prefetched_jobs))
+                for part, sources in ((prefetched_jobs, from_prefetches), (linked, None)):
                     if not part:
                         continue
                     slot_t = self.object_slots([jobs[i] for i in part])
                     moved[g] += slot_count(slot_t) * layout.bytes_per_token
-                    work.append((layout, self.layers[g], slot_t, [srcs[i] for i in part], staged))
+                    work.append((layout, self.layers[g], slot_t, [srcs[i] for i in part], sources))
             if tuple(moved) != tuple(req.expected_bytes):  # checked before a byte is written
                 raise ChunkError("byte_mismatch", f"would move {moved} bytes, planned {list(req.expected_bytes)}")
-            for layout, layers, slot_t, bufs, on_device in work:
-                self.engine.load(layout, layers, slot_t, bufs, staged=on_device)
+            for layout, layers, slot_t, bufs, sources in work:
+                self.engine.load(layout, layers, slot_t, bufs, staged=sources)
             for views, block, src in states:
                 scatter_state(views, block, src)
         except Exception as e:  # never crash the engine: the blocks go to vLLM as failed
