@@ -97,9 +97,11 @@ class StoreRequest:
 #: host, a 64k one 143 ms.)
 IDLE_WAIT_S = 0.05
 
-#: a long hit's first objects are read and sent toward the device before the rest are looked up
-#: (a lone request's, ``connector/scheduler_lone.py``) or read (any other fetch, the worker's):
-#: an eighth of the hit, at least this many.  0: never split.
+#: a lone request's long hit is sent toward the device in two parts: its first chunks are keyed,
+#: looked up and read before the rest are keyed (the scheduler's split of a local-tier hit,
+#: ``connector/scheduler_lone.py``), or read before the rest are resolved and read (the worker's,
+#: of a hit the scheduler did not split).  The first part: an eighth of the hit, at least this
+#: many chunks.  0: never split.
 FIRST_PART_CHUNKS = 4
 
 
