@@ -5,6 +5,8 @@ output compared with an engine without the connector's, on poisoned KV."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from harness import Probe, engine, generate, shutdown
 from test_cache_hits import _baseline
@@ -14,6 +16,17 @@ import vllm_kvplugin
 from vllm_kvplugin import counters
 
 pytestmark = pytest.mark.engine
+
+
+def _repeat(llm, probe, events: list, want: list[int], hit: int) -> None:
+    """P again on poisoned KV: the right output from a hit of ``hit`` chunks, whose load's target
+    blocks were poisoned first; ``events`` cleared before it; its stores finished after it."""
+    probe.poison_all_blocks(seed=len(probe.loads))
+    events.clear()
+    r = generate(llm, [P])[0]
+    assert r.token_ids == want and r.num_cached_tokens == hit * CHUNK
+    assert probe.loads[-1][1] == hit * CHUNK
+    assert probe.worker.finisher.drain(30)
 
 
 def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model, monkeypatch):
@@ -46,14 +59,7 @@ def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model
         try:
             assert generate(llm, [P])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
-
-            def run(hit: int) -> None:
-                probe.poison_all_blocks(seed=len(probe.loads))
-                events.clear()
-                r = generate(llm, [P])[0]
-                assert r.token_ids == want and r.num_cached_tokens == hit * CHUNK
-                assert probe.loads[-1][1] == hit * CHUNK  # the load's target blocks poisoned first
-                assert probe.worker.finisher.drain(30)
+            run = functools.partial(_repeat, llm, probe, events, want)
 
             run(8)
             assert events == [("keys", 4), *reads[:4], ("keys", 4), *reads[4:]], events
@@ -123,14 +129,7 @@ def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, s
         try:
             assert generate(llm, [P])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
-
-            def run(hit: int) -> None:
-                probe.poison_all_blocks(seed=len(probe.loads))
-                events.clear()
-                r = generate(llm, [P])[0]
-                assert r.token_ids == want and r.num_cached_tokens == hit * CHUNK
-                assert probe.loads[-1][1] == hit * CHUNK  # the load's target blocks poisoned first
-                assert probe.worker.finisher.drain(30)
+            run = functools.partial(_repeat, llm, probe, events, want)
 
             run(8)
             assert events == first + second, events
