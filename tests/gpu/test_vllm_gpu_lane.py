@@ -136,11 +136,14 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
     server's shared pool): the hit's digests, computed on the device over the bytes that
     landed -- no host hash of it runs -- refuse that chunk; only the prefix before it is
     served, the object is dropped, the output is right on poisoned KV, and the next runs
-    (stored again) hit in full."""
+    (stored again) hit in full.  The lone hit of 8 chunks is sent in two prefetches of 4 from
+    either tier (the scheduler splits a local hit, the worker a server one) and scattered by
+    one load."""
     import test_integrity
     from test_integrity import _local_flip, _server_flip
 
     from vllm_kvplugin.connector import worker_fetch as fmod
+    from vllm_kvplugin.transfer.cuda import CudaTransfer
 
     monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
     bad, p = test_integrity.BAD, prompt(8 * CHUNK + 10, seed=51)
@@ -157,6 +160,10 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
     hashed_on_host = []
     orig = fmod.start_payload_checksums
     monkeypatch.setattr(fmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
+    rows, scatters, prefetch, load = [], [], CudaTransfer.prefetch, CudaTransfer.load
+    monkeypatch.setattr(CudaTransfer, "prefetch", lambda eng, layout, bufs: _noted(rows, prefetch(eng, layout, bufs)))
+    monkeypatch.setattr(CudaTransfer, "load", lambda eng, *a, staged=None: scatters.append(
+        [len(r) for _, r in staged or ()]) or load(eng, *a, staged=staged))
     try:
         with Probe().installed() as probe:
             llm = engine(model, BLOCK, cfg, **kw)
@@ -166,7 +173,10 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
                 flip, _ = _local_flip(probe, p) if srv is None else _server_flip(probe, p, srv.address)
                 flip()
                 probe.poison_all_blocks(seed=1)
+                rows.clear()
+                scatters.clear()
                 r = generate(llm, [p2])[0]
+                assert rows[:2] == [4, 4] and scatters[0] == [bad], (rows, scatters)  # (bad < 4: all from the first)
                 s = vllm_kvplugin.stats()
                 assert r.token_ids == want_p2
                 assert r.num_cached_tokens == bad * CHUNK and s["loaded_tokens"] == bad * CHUNK
@@ -187,6 +197,12 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
     finally:
         if srv is not None:
             srv.stop()
+
+
+def _noted(rows: list[int], pre):
+    """A prefetch's rows noted (0: none sent); the prefetch."""
+    rows.append(pre.rows if pre is not None else 0)
+    return pre
 
 
 def _reference(model: str, p: list[int], **kw) -> list[int]:
@@ -262,12 +278,7 @@ def test_a_lone_split_hit_is_sent_in_two_prefetches(model, bad, monkeypatch):
     hashed_on_host, rows = [], []
     orig, prefetch = fmod.start_payload_checksums, CudaTransfer.prefetch
     monkeypatch.setattr(fmod, "start_payload_checksums", lambda ps: hashed_on_host.append(len(ps)) or orig(ps))
-
-    def counted(eng, layout, bufs):
-        pre = prefetch(eng, layout, bufs)
-        rows.append(pre.rows if pre is not None else 0)
-        return pre
-    monkeypatch.setattr(CudaTransfer, "prefetch", counted)
+    monkeypatch.setattr(CudaTransfer, "prefetch", lambda eng, layout, bufs: _noted(rows, prefetch(eng, layout, bufs)))
     with Probe().installed() as probe:
         llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30}, **kw)
         try:
