@@ -366,13 +366,15 @@ def test_server_objects_beyond_the_staging_room_are_not_stored(qwen3_model, serv
 
 
 @pytest.mark.newest_lane
-@pytest.mark.parametrize("grace_s", [5.0, 0.0])
-def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, server, monkeypatch, grace_s):
+@pytest.mark.parametrize("grace_s,lone_s", [(5.0, 0.0), (0.0, 5.0), (0.0, 0.0)])
+def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, server, monkeypatch, grace_s, lone_s):
     """The scheduler waits briefly for the server's answer to a lookup it sends (the GIL
     released), so a hit on the server is fetched in the very step that looks it up rather than
-    a step later.  With the grace long enough for any answer here the repeat's fetch is the
-    first step's; with none, the old behaviour (held back a step at least) -- so the grace is
-    what makes the difference.  Full hits and right outputs on poisoned KV either way."""
+    a step later: any request within the step's grace, a request alone in the engine (this
+    repeat) up to ``LONE_LOOKUP_WAIT_S``.  With either long enough for any answer here the
+    repeat's fetch is the first step's; with neither, the old behaviour (held back a step at
+    least) -- so the waits are what make the difference.  Full hits and right outputs on
+    poisoned KV every way."""
     from test_integrity import CHUNK, P
     from test_verdict_timing import _watch_verdicts
 
@@ -380,6 +382,7 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
     from vllm_kvplugin.connector import scheduler as smod
 
     monkeypatch.setattr(smod, "LOOKUP_GRACE_S", grace_s)
+    monkeypatch.setattr(smod, "LONE_LOOKUP_WAIT_S", lone_s)
     want = _baseline(qwen3_model, 32, [[P]], budget=CHUNK)[0]
     events = _watch_verdicts(monkeypatch, payload_checksum)
     with Probe().installed() as probe:
@@ -392,7 +395,7 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
             events.clear()
             warm = generate(llm, [P])[0]
             before_fetch = events[:events.index(("fetch", 0))]
-            assert (before_fetch == []) if grace_s else (len(before_fetch) >= 1), events
+            assert (before_fetch == []) if grace_s or lone_s else (len(before_fetch) >= 1), events
             assert warm.token_ids == want and warm.num_cached_tokens == (len(P) - 1) // CHUNK * CHUNK
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
@@ -426,7 +429,7 @@ def test_a_lookup_answered_after_vllm_computed_less_is_asked_again(qwen3_model, 
             def answer():
                 e = inner.exception()
                 done.set_exception(e) if e else done.set_result(inner.result())
-            threading.Timer(0.05, answer).start()  # after the step that sent it
+            threading.Timer(smod.LONE_LOOKUP_WAIT_S + 0.05, answer).start()  # after the step that sent it
             return done
 
         def fewer_later(self, request, num_computed):

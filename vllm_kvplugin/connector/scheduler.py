@@ -54,7 +54,7 @@ from vllm_kvplugin.connector.metadata import (
     LoadRequest,
     StoreRequest,
 )
-from vllm_kvplugin.connector.scheduler_lone import LoneFetch
+from vllm_kvplugin.connector.scheduler_lone import LONE_LOOKUP_WAIT_S, LoneFetch
 from vllm_kvplugin.connector.scheduler_stores import StoreDecisions
 from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 from vllm_kvplugin.connector.verdicts import open_box
@@ -221,13 +221,16 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         if pending and not any(f.done() for f in pending):
             futures_wait(pending, IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
-    def _await_briefly(self, lookup) -> None:
+    def _await_briefly(self, lookup, req_id: str) -> None:
         """Wait for a lookup just sent, within what is left of this step's grace
-        (:data:`LOOKUP_GRACE_S`): its answer then plans the hit in this very step."""
-        if self._grace_left <= 0:
+        (:data:`LOOKUP_GRACE_S`; for a request alone in the engine, whom nobody else waits for,
+        at least :data:`~vllm_kvplugin.connector.scheduler_lone.LONE_LOOKUP_WAIT_S`): its answer
+        then plans the hit in this very step."""
+        wait = max(LONE_LOOKUP_WAIT_S, self._grace_left) if self._alone(req_id) is not None else self._grace_left
+        if wait <= 0:
             return
         t0 = time.monotonic()
-        futures_wait([lookup], self._grace_left)
+        futures_wait([lookup], wait)
         self._grace_left -= time.monotonic() - t0
 
     def _being_stored(self, tr: RequestTracker, now: float) -> bool:
@@ -251,7 +254,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             if tr.server_lookup is None:
                 tr.server_lookup = self.server.lookup_async(tr.keys[:max_hit], num_computed // C)
                 tr.server_lookup_first = num_computed // C
-                self._await_briefly(tr.server_lookup)
+                self._await_briefly(tr.server_lookup, tr.req_id)
             if not tr.server_lookup.done():
                 return _ASKING
             future, tr.server_lookup = tr.server_lookup, None

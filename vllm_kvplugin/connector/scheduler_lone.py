@@ -37,6 +37,12 @@ from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 #: request arriving meanwhile waits at most this.
 LONE_FETCH_WAIT_S = 0.25
 
+#: how long such a request's lookup on the cache server is waited for (the step's grace for
+#: other lookups is 2 ms).  On the H200 the lookup of a 64k-token prompt (256 chunks) outlasted
+#: the grace, and its fetch came a step (~5 ms) later; at 8k-32k it was answered within 1.5-2.5
+#: ms.  A stuck server costs the lone request this much, then it is held back and asked again.
+LONE_LOOKUP_WAIT_S = 0.05
+
 
 class LoneFetch:
     """The lone request's fetch (a mixin of ``SchedulerSide``; see the module's docstring).  Uses
