@@ -1,15 +1,17 @@
 """A lone request's lookup, from its start to the first prefetch call, split or not (CPU or GPU).
 
 One engine (in-process, eager, vLLM's prefix cache off), KVPluginConnector with the in-process
-tier.  Per prompt length and pair: a fresh prompt is stored (cold), then repeated twice, once with
-``metadata.FIRST_PART_CHUNKS`` as shipped (its first chunks keyed, read and sent before the
-rest are keyed) and once with it 0 (the whole prompt keyed first), the order alternating by pair.
+tier (``--server``: a cache server's only).  Per prompt length and pair: a fresh prompt is stored
+(cold), then repeated twice, once with ``metadata.FIRST_PART_CHUNKS`` as shipped (its first
+chunks keyed, read and sent before the rest are keyed; through the server, looked up whole, then
+the first objects resolved, read and sent before the rest are resolved and read) and once with it
+0 (no split), the order alternating by pair.
 Measured per repeat: from the start of vLLM's first ``get_num_new_matched_tokens`` call to the
 worker's first ``_prefetch`` call (on a GPU, the copy's issue; the CPU engine's returns at once),
 and that first lookup call whole.  Both repeats must hit in full.  The first two pairs of a length
 are warm-up.  Results: medians per length, every sample, with the machine and versions.
 
-    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--out benchmarks/results/lone-lookup-cpu.json]
+    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--server] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,9 +38,25 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=20)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--out", default=str(HERE / "results" / "lone-lookup-cpu.json"))
+    ap.add_argument("--server", action="store_true", help="hits from a cache server (in-process tier off)")
+    ap.add_argument("--out", default=None, help="default: results/lone-lookup-cpu[-server].json")
     args = ap.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    out = Path(args.out or HERE / "results" / f"lone-lookup-cpu{'-server' if args.server else ''}.json")
+    server = None
+    extra = {"chunk_size": args.chunk, "cpu_bytes": 6 << 30}
+    if args.server:
+        from ttft_common import start_server
+        server, address = start_server(2 << 30)
+        extra.update(cpu_bytes=0, server=address)
+    try:
+        return _run(args, [int(x) for x in args.lengths.split(",")], extra, out)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
+
+
+def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM, SamplingParams
@@ -68,7 +86,7 @@ def main() -> int:
     spec = tiny_model.TinySpec(arch="qwen3", layers=2, hidden=256, heads=8, kv_heads=8, head_dim=128)
     model = str(tiny_model.build(spec))
     ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
-                           kv_connector_extra_config={"chunk_size": args.chunk, "cpu_bytes": 6 << 30})
+                           kv_connector_extra_config=extra)
     top = max(lengths) + 64
     llm = LLM(model=model, enable_prefix_caching=False, max_model_len=top, enforce_eager=True,
               kv_cache_memory_bytes=3 << 30, block_size=args.block, kv_transfer_config=ktc, seed=0,
@@ -102,10 +120,11 @@ def main() -> int:
     import vllm_kvplugin
 
     doc = {"benchmark": "lone_lookup", "date": time.strftime("%Y-%m-%d"), **environment(),
-           "model": spec.__dict__, "block_size": args.block, "chunk_size": args.chunk,
+           "model": spec.__dict__, "tier": "server" if args.server else "local", "block_size": args.block,
+           "chunk_size": args.chunk,
            "first_part_chunks": shipped, "pairs": args.pairs, "rows": rows, "kvplugin_stats": vllm_kvplugin.stats()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
     return 0
 
 
