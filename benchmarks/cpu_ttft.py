@@ -31,6 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import results_json  # noqa: E402
 from ttft_common import measure, print_table, run_modes_with_server, summarize  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def main() -> int:
         "summary": summary, "modes": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    results_json.write(args.out, doc)
     print_table(summary, ("_cold_s", "_warm_s", "ratio"))
     return 0
 

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import results_json  # noqa: E402
 from ttft_common import environment  # noqa: E402
 
 from vllm_kvplugin.chunk.checksums import start_payload_checksums  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
     rows = run([int(x) for x in a.lengths.split(",")])
     result = {"benchmark": "gpu_digest", "environment": environment(), "rows": rows}
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+        results_json.write(a.out, result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import results_json  # noqa: E402
+
 from vllm_kvplugin.chunk.checksums import start_payload_checksums  # noqa: E402
 
 GB = 1e9
@@ -129,7 +131,7 @@ def main() -> int:
            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
            "topology": topo, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    results_json.write(args.out, doc)
     print(json.dumps(topo))
     return 0
 

@@ -58,6 +58,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import results_json  # noqa: E402
 from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, mode_knobs, transfer_config  # noqa: E402
 from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores, speed_probe  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
@@ -359,7 +360,7 @@ def main() -> int:
     if res["timelines"]:
         doc["timelines"] = {m: {c: {k: v for k, v in b.items() if k != "outputs"} for c, b in cases.items()}
                             for m, cases in res["timelines"].items()}
-    out.write_text(json.dumps(doc, indent=1))
+    results_json.write(out, doc)
     partial.unlink(missing_ok=True)  # the whole run is in out
     for row in summary:
         print(" | ".join(f"{k}={v}" for k, v in row.items() if not k.endswith(("match_baseline", "each_round"))))

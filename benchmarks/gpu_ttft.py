@@ -60,6 +60,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import results_json  # noqa: E402
 from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
 from ttft_common import (  # noqa: E402
@@ -461,7 +462,7 @@ def main() -> int:
         "pin_main": args.pin_main,
         "summary": summary, "modes": results, "errors": errors,
     }
-    out.write_text(json.dumps(doc, indent=1))
+    results_json.write(out, doc)
     Path(str(out) + ".partial").unlink(missing_ok=True)  # the whole run is in out
     print_table(summary, ("_cold_s", "_warm_s", "_cached_tokens", "kvplugin_warm", "_ratio", "_link",
                           "_over_baseline_cold", "_over_kvplugin_warm"))

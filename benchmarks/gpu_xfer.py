@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import _kvcases as K  # noqa: E402
+import results_json  # noqa: E402
 
 from vllm_kvplugin import ops  # noqa: E402
 from vllm_kvplugin.layout.build import build_layout  # noqa: E402
@@ -114,7 +115,7 @@ class Results:
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.data, indent=1))
+        results_json.write(self.out, self.data)
 
 
 def machine() -> dict:

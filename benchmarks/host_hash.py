@@ -18,7 +18,6 @@ device running (CUDA only).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from vllm_kvplugin.chunk.format import payload_checksum
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import results_json  # noqa: E402
 from ttft_common import environment  # noqa: E402
 
 IMPLS = {"library": payload_checksum, "op": checksums.checksum}
@@ -132,7 +132,7 @@ def main() -> int:
     doc = {"benchmark": "host_hash", "date": time.strftime("%Y-%m-%d"), **environment(),
            "bytes": args.bytes, "objects": args.objects, "xxhash": xxhash.VERSION,
            "main_loop_calls": MAIN_LOOP_CALLS, "rows": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    results_json.write(args.out, doc)
     return 0
 
 

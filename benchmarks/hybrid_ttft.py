@@ -32,6 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import results_json  # noqa: E402
 from ttft_common import measure, print_table, run_modes_with_server, summarize  # noqa: E402
 
 BUDGET = 384  # one chunk per step: a state checkpoint at every chunk boundary
@@ -115,7 +116,7 @@ def main() -> int:
         "summary": summary, "modes": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    results_json.write(args.out, doc)
     print_table(summary, ("_cold_s", "_warm_s", "ratio"))
     print(f"one state checkpoint: {sum(recurrent)} bytes; one chunk of attention KV: {sum(attention)} bytes")
     return 0

@@ -24,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import results_json  # noqa: E402
 from ttft_common import TTFTProbe, built_gpu_model, environment, tokens  # noqa: E402
 
 #: (module, class, method) of the hooks profiled
@@ -133,7 +134,7 @@ def main() -> int:
     doc = {"benchmark": "load_profile", "date": time.strftime("%Y-%m-%d"), **environment(),
            **json.loads(line[0][len("RESULT "):])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    results_json.write(args.out, doc)
     for row in doc["rows"]:
         print(row["prompt_tokens"], row["kind"], row["ttft_s"], row["hook_s"])
         for name, calls, s in row["by_own_s"][:12]:

@@ -17,7 +17,6 @@ are warm-up.  Results: medians per length, every sample, with the machine and ve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import results_json  # noqa: E402
 from ttft_common import environment, tokens  # noqa: E402
 
 WARM_UP_PAIRS = 2
@@ -124,7 +124,7 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
            "chunk_size": args.chunk,
            "first_part_chunks": shipped, "pairs": args.pairs, "rows": rows, "kvplugin_stats": vllm_kvplugin.stats()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    results_json.write(out, doc)
     return 0
 
 

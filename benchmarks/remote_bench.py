@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
+import results_json  # noqa: E402
 from server_bench import keys, machine_info, memcpy_gbps, pct, start_server, stop_server  # noqa: E402
 
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, pack_header, payload_checksum  # noqa: E402
@@ -297,7 +298,7 @@ def main() -> int:
         redis.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    results_json.write(a.out, result)
     print(json.dumps({k: result[k] for k in ("store", "through_servers", "lookup_1m_tokens", "ttft")}, indent=1))
     return 0
 

@@ -19,7 +19,6 @@ machine and versions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import results_json  # noqa: E402
 from ttft_common import environment, start_server, tokens  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def main() -> int:
            "code": code.strip() or None, "model": "tiny_model.DEMO", "server": args.server, "streams": args.streams,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
            "chunk_size": args.chunk, "miss_reuse_s": {m: v for m, v in modes.items() if m}, "rounds": rounds}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    results_json.write(args.out, doc)
     return 0
 
 
