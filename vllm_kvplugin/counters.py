@@ -60,6 +60,7 @@ class Counters:
         self._values: dict[str, float] = dict.fromkeys(fields, 0)
         self._failures: dict[str, int] = defaultdict(int)
         self._reported: dict[str, Any] = self._blank()
+        self._touched: set[str] = set()  # fields added to since the last delta (taken every step)
 
     def _blank(self) -> dict[str, Any]:
         d: dict[str, Any] = dict.fromkeys(self._fields, 0)
@@ -71,10 +72,12 @@ class Counters:
         with self._lock:
             for k, v in deltas.items():
                 self._values[k] += v
+            self._touched.update(deltas)
 
     def failure(self, reason: str, n: int = 1) -> None:
         with self._lock:
             self._failures[reason] += n
+            self._touched.add(FAILURES)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -86,14 +89,16 @@ class Counters:
     def take_delta(self) -> dict[str, Any]:
         """Counts since the previous call (what vLLM's stats pipeline sums up)."""
         with self._lock:
-            now: dict[str, Any] = dict(self._values)
-            delta: dict[str, Any] = {k: now[k] - self._reported[k] for k in self._fields}
-            if self._with_failures:
+            touched, self._touched = self._touched, set()
+            delta: dict[str, Any] = {}
+            for k in touched - {FAILURES}:
+                delta[k] = self._values[k] - self._reported[k]
+                self._reported[k] = self._values[k]
+            if FAILURES in touched and self._with_failures:
                 f = dict(self._failures)
                 prev = self._reported[FAILURES]
                 delta[FAILURES] = {k: v - prev.get(k, 0) for k, v in f.items() if v != prev.get(k, 0)}
-                now[FAILURES] = f
-            self._reported = now
+                self._reported[FAILURES] = f
             return {k: v for k, v in delta.items() if v}
 
     def reset(self) -> None:
@@ -101,6 +106,7 @@ class Counters:
             self._values = dict.fromkeys(self._fields, 0)
             self._failures = defaultdict(int)
             self._reported = self._blank()
+            self._touched = set()
 
 
 SCHEDULER = Counters(SCHEDULER_FIELDS, with_failures=False)
