@@ -22,9 +22,6 @@ prompts in the same order:
   default set);
 * ``kvplugin-unsplit`` - ``kvplugin`` whose lone lookups key the whole prompt before the first
   read, as before ``metadata.FIRST_PART_CHUNKS`` (not in the default set);
-* ``kvplugin-every-hook`` - ``kvplugin`` whose paced store DMAs are pumped at both of vLLM's
-  per-layer hooks, each pump under the queue's lock and a device switch, as before 2026-12-05's
-  once-a-layer pump (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -121,11 +118,6 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-gc-late":  # no collection in a lone fetch's wait
         from vllm_kvplugin.connector import worker_fetch
         worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62
-    if mode == "kvplugin-every-hook":  # pumped at both layer hooks, never the busy window's shortcut
-        from vllm_kvplugin.connector.connector import KVPluginConnector
-        from vllm_kvplugin.transfer.paced import PacedCopies
-        KVPluginConnector.wait_for_layer_load = lambda self, name: self._worker and self._worker.pump()
-        PacedCopies._window_busy = lambda self: False
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
         from vllm_kvplugin.connector import metadata
         metadata.FIRST_PART_CHUNKS = 0

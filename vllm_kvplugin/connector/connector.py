@@ -86,13 +86,14 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads complete inside start_load_kv, before the forward (from verified bytes)
+        # loads complete inside start_load_kv, before the forward (from verified bytes); vLLM's
+        # thread passes here at every attention layer: it issues more paced store DMAs
+        if self._worker is not None and self._worker.engine is not None:
+            self._worker.pump()
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # whole chunks are stored after the forward, in wait_for_save; vLLM's thread passes here
-        # once per attention layer: it issues more paced store DMAs (once a layer: the store
-        # finisher issues each piece as the one before it lands; these only save its wake-up)
-        if self._worker is not None:
+        # whole chunks are stored after the forward, in wait_for_save; here, as above
+        if self._worker is not None and self._worker.engine is not None:
             self._worker.pump()
 
     def wait_for_save(self) -> None:

@@ -349,7 +349,7 @@ class WorkerSide(FetchPath, StorePath):
         self.pump()
 
     def pump(self) -> None:
-        """From vLLM's thread, at hooks it passes (after each attention layer, a step's start and
+        """From vLLM's thread, at every hook it passes (each attention layer, a step's start and
         end): the transfer engine issues more of its paced store DMAs.  Never raises: a DMA
         that cannot be issued fails its store (its ticket), not vLLM's forward."""
         if self.engine is None:

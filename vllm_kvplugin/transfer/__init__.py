@@ -14,7 +14,7 @@ Contract, for the worker (one thread, vLLM's worker thread):
   issued: from then on the compute stream does not overwrite any block a store
   still has to read (a freed block may be reused by the next step).
 * :meth:`TransferEngine.pump` may be called from any thread at any time, often
-  (vLLM's thread after every attention layer): it issues more of the stores' queued
+  (vLLM's thread at every attention layer): it issues more of the stores' queued
   copies and returns at once.  :meth:`TransferEngine.wait` pumps as well.
 * :meth:`TransferEngine.settle` returns once every copy issued or queued so far is done (a
   store that failed while it was issued: its memory may be reused after that).

@@ -10,7 +10,7 @@ Who calls what:
 * the transfer engine's ``store`` (vLLM's worker thread, in ``wait_for_save``) builds a
   :class:`DmaJob` of :class:`Piece` s and :meth:`PacedCopies.submit` s it;
 * :meth:`PacedCopies.pump` (any thread, returns at once) issues pieces while fewer than
-  ``window`` are on the copy engine: vLLM's thread calls it at hooks it passes (after each
+  ``window`` are on the copy engine: vLLM's thread calls it at every hook it passes (each
   attention layer, a step's start and end), the store finisher through :meth:`drain`;
 * :meth:`PacedCopies.drain` (the finisher waiting for a ticket; the engine before it reuses a
   staging buffer) sleeps on the oldest piece's event and pumps until a job is fully issued;
@@ -80,7 +80,7 @@ class PacedCopies:
     def pump(self) -> None:
         """Issue queued pieces while fewer than ``window`` are on the copy engine; never waits
         for the device."""
-        if not self._jobs or self._window_busy():
+        if not self._jobs:
             return
         with self._lock, torch.cuda.device(self.device):
             while self._out and self._out[0].query():
@@ -104,19 +104,6 @@ class PacedCopies:
                     job.event = ev
                     self._jobs.popleft()
                     self._on_issued(job)
-
-    def _window_busy(self) -> bool:
-        """The window is full and its oldest piece is still on the copy engine: nothing to issue.
-        Read without the lock or a device switch: vLLM's thread asks after every attention
-        layer, mostly while a piece is on the copy engine.  A stale answer only defers the issue
-        to the next pump (the store finisher's comes as the piece lands)."""
-        out = self._out
-        if len(out) < self.window:
-            return False
-        try:
-            return not out[0].query()
-        except IndexError:  # emptied by another thread meanwhile
-            return False
 
     def drain(self, job: DmaJob) -> None:
         """Until every piece of ``job`` is issued (sleeping on the oldest piece on the engine)."""
