@@ -108,6 +108,45 @@ def test_hung_server_times_out_and_recovers(server):
     c.close()
 
 
+def test_a_call_unanswered_within_a_step_keeps_the_session(server_factory):
+    """A server descheduled past an engine step's bound (SIGSTOP for 0.3 s against a 50 ms
+    resolve): the call fails naming that bound and calls back off, but the connection and its
+    session stay -- heartbeats go on, so the server does not reap the client as silent (it did,
+    6 s later, on an overloaded 2-core host: the demo's missed hits) -- and once the server
+    answers a heartbeat the same session serves again, the late answer dropped."""
+    srv = server_factory("--l1-bytes", "64MiB", "--heartbeat-s", "0.3")  # silent 0.9 s: reaped
+    c = MPClient(srv.address, timeout_s=2.0, retry_s=5.0)
+    keys = keys_for(9, 3)
+    assert all(store(c, oids_for(keys, 1, 1, 1), NB))
+    hits, lease = c.lookup(keys)
+    assert hits == 3
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TierUnavailable, match=r"did not answer resolve within 0\.05 s"):
+            c.resolve(lease, keys, 0, 0, 1, timeout_s=0.05)
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(TierUnavailable, match="unavailable"):  # backing off: no socket work
+            c.resolve(lease, keys, 0, 0, 1, timeout_s=0.05)
+        time.sleep(0.3)
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    # the heartbeats (every 0.3 s) reach the server again; the first answered ends the backoff
+    # (retry_s is 5 s), long before the 0.9 s of silence that would reap the session
+
+    def answered():
+        try:
+            return c.stats()
+        except TierUnavailable:
+            return None
+    wait_for(answered, timeout=3.0)
+    time.sleep(1.5)
+    st = c.stats()
+    assert st["clients_reaped"] == 0 and st["clients_connected"] == 1, st
+    assert [n for _, n in c.resolve(lease, keys, 0, 0, 1)] == [HEADER_SIZE + NB] * 3
+    c.close()
+
+
 def test_no_server_fails_fast(short_tmp):
     c = MPClient(f"unix://{short_tmp}/nobody.sock", timeout_s=1.0, retry_s=5.0)
     t0 = time.monotonic()

@@ -19,7 +19,11 @@ Load::
 
 Every call is bounded by ``timeout_s``; a dead, hung or restarted server makes
 the call raise :class:`TierUnavailable` and the next call reconnects (new
-socket, hello, the pool re-mapped if the server's pool changed).
+socket, hello, the pool re-mapped if the server's pool changed).  A call that
+only got no answer within its bound keeps the connection and its session: the
+heartbeats go on, and a late answer is read and dropped by the next call (on an
+overloaded host a server descheduled past an engine step's 50 ms bound was
+reaped as silent while the engine's client sat disconnected).
 
 Offsets and leases belong to one server instance.  The call that first meets
 a new instance re-maps the pool, increments :attr:`MPClient.pool_generation`
@@ -74,6 +78,10 @@ HEARTBEAT_TIMEOUT_S = 1.0
 
 class _SessionLost(Exception):
     pass
+
+
+class _NoReply(TierUnavailable):
+    """No answer within the call's bound: the server may only be slow (or stopped)."""
 
 
 class MPClient:
@@ -250,6 +258,7 @@ class MPClient:
         msg = P.encode_request(op, rid, body)
         if len(msg) > P.MAX_MESSAGE_BYTES:
             raise ValueError(f"{op} request of {len(msg)} bytes exceeds {P.MAX_MESSAGE_BYTES}; split it")
+        bound = deadline - time.monotonic()
         try:
             # with IMMEDIATE set, a socket can take a message only once connected: a server
             # that is not there fails the call after the connect grace, not the whole timeout
@@ -258,8 +267,7 @@ class MPClient:
             sock.send(msg, zmq.NOBLOCK)
             while True:
                 if not self._wait(sock, zmq.POLLIN, deadline):
-                    raise TierUnavailable(f"cache server {self.address} did not answer {op} within "
-                                          f"{self.timeout_s} s")
+                    raise _NoReply(f"cache server {self.address} did not answer {op} within {bound:.2g} s")
                 raw = sock.recv(zmq.NOBLOCK)
                 try:
                     rep = P.REPLY_DECODER.decode(raw)
@@ -277,6 +285,12 @@ class MPClient:
                     return P.REP_DECODERS[op].decode(rep.body)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise TierUnavailable(f"cache server sent a bad {op} reply: {exc}") from None
+        except _NoReply:
+            if self._hello is None:  # (a hello or its proof: no session to keep)
+                self._disconnect(backoff=True)
+            else:  # the session stays (heartbeats go on); calls back off meanwhile
+                self._down_until = time.monotonic() + self.retry_s
+            raise
         except TierUnavailable:
             self._disconnect(backoff=True)
             raise
@@ -297,16 +311,17 @@ class MPClient:
         if self._closed:
             raise TierUnavailable("client is closed")
         self._check_fork()
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        t_call = time.monotonic()
+        deadline = t_call + (timeout_s if timeout_s is not None else self.timeout_s)
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TierUnavailable(f"cache server client busy for {self.timeout_s} s")
+            raise TierUnavailable(f"cache server client busy for {deadline - t_call:.3g} s")
         try:
             if self._pools.has_old:
                 self._pools.unmap_unused()
+            if time.monotonic() < self._down_until and not (op == "hello" and self._hello is not None):
+                raise TierUnavailable(f"cache server {self.address} unavailable (retrying in "
+                                      f"{self._down_until - time.monotonic():.1f} s)")
             if self._sock is None or self._hello is None:
-                if time.monotonic() < self._down_until:
-                    raise TierUnavailable(f"cache server {self.address} unavailable (retrying in "
-                                          f"{self._down_until - time.monotonic():.1f} s)")
                 self._disconnect(backoff=False)
                 try:
                     changed = self._connect(deadline)
@@ -364,6 +379,7 @@ class MPClient:
                     deadline = time.monotonic() + min(self.timeout_s, HEARTBEAT_TIMEOUT_S)
                     try:
                         self._exchange("heartbeat", P.Empty(), deadline)
+                        self._down_until = 0.0  # answered: calls need not back off any longer
                     except _SessionLost:
                         # reaped, or a restarted server: the next call says hello again (and
                         # re-maps the pool in the caller's thread, never behind its back)
