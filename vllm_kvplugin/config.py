@@ -52,7 +52,8 @@ FIELDS: tuple[FieldDoc, ...] = (
     FieldDoc("server_step_timeout_s", (int, float), 0.05,
              "Upper bound on a server call inside an engine step (resolve, reserve, commit): a "
              "stopped or stuck server costs a miss or a skipped store, never more than this "
-             "in a running request's inter-token gap."),
+             "in a running request's inter-token gap. On a host so busy that the server is "
+             "descheduled for longer, hits are missed (the demo, for a small shared box, sets 0.5)."),
     FieldDoc("server_staging_bytes", (int, type(None)), None,
              "Host memory of each worker (page-locked on GPU machines, allocated at start-up) where "
              "a step's server objects are gathered and hashed before they are copied into the "
