@@ -114,7 +114,7 @@ def test_a_call_unanswered_within_a_step_keeps_the_session(server_factory):
     session stay -- heartbeats go on, so the server does not reap the client as silent (it did,
     6 s later, on an overloaded 2-core host: the demo's missed hits) -- and once the server
     answers a heartbeat the same session serves again, the late answer dropped."""
-    srv = server_factory("--l1-bytes", "64MiB", "--heartbeat-s", "0.3")  # silent 0.9 s: reaped
+    srv = server_factory("--l1-bytes", "64MiB", "--heartbeat-s", "0.5")  # silent 1.5 s: reaped
     c = MPClient(srv.address, timeout_s=2.0, retry_s=5.0)
     keys = keys_for(9, 3)
     assert all(store(c, oids_for(keys, 1, 1, 1), NB))
@@ -131,8 +131,8 @@ def test_a_call_unanswered_within_a_step_keeps_the_session(server_factory):
         time.sleep(0.3)
     finally:
         os.kill(srv.pid, signal.SIGCONT)
-    # the heartbeats (every 0.3 s) reach the server again; the first answered ends the backoff
-    # (retry_s is 5 s), long before the 0.9 s of silence that would reap the session
+    # the heartbeats (every 0.5 s) reach the server again; the first answered ends the backoff
+    # (retry_s is 5 s), long before the 1.5 s of silence that would reap the session
 
     def answered():
         try:
@@ -140,7 +140,7 @@ def test_a_call_unanswered_within_a_step_keeps_the_session(server_factory):
         except TierUnavailable:
             return None
     wait_for(answered, timeout=3.0)
-    time.sleep(1.5)
+    time.sleep(2.0)
     st = c.stats()
     assert st["clients_reaped"] == 0 and st["clients_connected"] == 1, st
     assert [n for _, n in c.resolve(lease, keys, 0, 0, 1)] == [HEADER_SIZE + NB] * 3
