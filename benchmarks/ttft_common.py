@@ -49,13 +49,13 @@ class TTFTProbe:
         o = self.llm.generate([{"prompt_token_ids": p}], params or self.sp, use_tqdm=False)[0]
         return time.perf_counter() - t0, o
 
-    def timed(self, p):
+    def timed(self, p, reset: bool | None = None):
         """``once``, with the stages it went through (None without timers) and the cgroup's CPU
         throttling during it."""
         if self.timers:
             self.timers.reset()
         before = cpu_throttling()
-        t, o = self.once(p)
+        t, o = self.once(p, reset=reset)
         stages = self.timers.collect() if self.timers else None
         if stages is not None and before:
             after = cpu_throttling()
@@ -83,7 +83,9 @@ class TTFTProbe:
         ones (``warm_stages``: the median run's; ``first_warm_s``: the one right after the cold
         request), then 8 greedy tokens to compare with the baseline's; where vLLM's prefix cache is
         reset before each, each warm run is followed by a GPU prefix-cache hit of the same prompt
-        (``own_apc_s``: their median; ``warm_minus_own_s``: the median of the pairs' differences).
+        (``own_apc_s``: their median; ``warm_minus_own_s``: the median of the pairs' differences;
+        ``own_apc_stages``: the stages of the own hit in the pair of that median, to set beside
+        the warm one's step by step).
         ``seed``: the prompt's (default ``n``; a fresh one per round when the same length is
         measured again)."""
         seed = n if seed is None else seed
@@ -98,14 +100,17 @@ class TTFTProbe:
             if self.reset:  # each paired with the same prompt as a GPU prefix-cache hit of this very
                 # engine (the warm request left it cached): the floor, measured in the process of
                 # the warm hits and right after each, so that both see the engine at the same speed
-                owns.append(self.once(p, reset=False)[0])
+                owns.append(self.timed(p, reset=False))
         first_warm, ow = warms[0][0], warms[0][1]  # right after the cold one: its stores may still be landing
         warm, _, warm_stages = sorted(warms, key=lambda w: w[0])[len(warms) // 2]
         _, ox = self.once(p, self.spx)
         extra = {"cold_stages": cold_stages, "warm_stages": warm_stages} if self.timers else {}
         if owns:
-            extra["own_apc_s"] = round(statistics.median(owns), 4)
-            extra["warm_minus_own_s"] = round(statistics.median(w[0] - o for w, o in zip(warms, owns)), 4)
+            extra["own_apc_s"] = round(statistics.median(o[0] for o in owns), 4)
+            pairs = sorted(zip(warms, owns), key=lambda wo: wo[0][0] - wo[1][0])
+            extra["warm_minus_own_s"] = round(statistics.median(w[0] - o[0] for w, o in pairs), 4)
+            if self.timers:
+                extra["own_apc_stages"] = pairs[len(pairs) // 2][1][2]
         return {"prompt_tokens": n, "cold_s": round(cold, 4), "warm_s": round(warm, 4),
                 "first_warm_s": round(first_warm, 4),
                 "warm_cached_tokens": int(ow.num_cached_tokens or 0),

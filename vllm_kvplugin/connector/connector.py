@@ -85,9 +85,19 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not None and (meta.fetches or meta.loads or meta.forget):
             self._worker.start_load(meta)
 
+    def has_connector_metadata(self) -> bool:
+        """vLLM's only caller outside connectors (0.26-0.33; ``tests/compat/test_layer_gate.py``)
+        asks before each attention layer whether to call the two per-layer hooks below.  Their
+        one job is to issue paced store DMAs, so they run only while some wait to be issued: a
+        decode step without stores in flight skips two calls per layer.  (The connector's own
+        use, :meth:`_bound`, asks vLLM's base.)"""
+        worker = self._worker
+        return (worker is not None and worker.engine is not None and worker.engine.pumping()
+                and super().has_connector_metadata())
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         # loads complete inside start_load_kv, before the forward (from verified bytes); vLLM's
-        # thread passes here at every attention layer: it issues more paced store DMAs
+        # thread passes here at every attention layer while store DMAs wait (has_connector_metadata)
         if self._worker is not None and self._worker.engine is not None:
             self._worker.pump()
 
@@ -111,7 +121,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_meta() if self._worker is not None else None
 
     def _bound(self) -> KVPluginMetadata | None:
-        if not self.has_connector_metadata():
+        if not super().has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, KVPluginMetadata) else None

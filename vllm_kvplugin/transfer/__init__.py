@@ -16,6 +16,8 @@ Contract, for the worker (one thread, vLLM's worker thread):
 * :meth:`TransferEngine.pump` may be called from any thread at any time, often
   (vLLM's thread at every attention layer): it issues more of the stores' queued
   copies and returns at once.  :meth:`TransferEngine.wait` pumps as well.
+  :meth:`TransferEngine.pumping` (read before each attention layer, so it must cost no
+  more than an attribute read) says whether a ``pump`` now would have anything to issue.
 * :meth:`TransferEngine.settle` returns once every copy issued or queued so far is done (a
   store that failed while it was issued: its memory may be reused after that).
 * :meth:`TransferEngine.load` returns when the chunk bytes are in the paged
@@ -66,6 +68,8 @@ class TransferEngine(Protocol):
     def settle(self) -> None: ...
 
     def pump(self) -> None: ...
+
+    def pumping(self) -> bool: ...
 
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int,
                 keep_bytes: int = 0) -> None: ...

@@ -38,6 +38,9 @@ class CpuTransfer:
     def pump(self) -> None:
         return None  # copies are done when issued
 
+    def pumping(self) -> bool:
+        return False  # nothing is ever left for pump
+
     def warm_up(self, layout: KVLayout, layers: Sequence[torch.Tensor], tokens: int,
                 keep_bytes: int = 0) -> None:
         return None  # nothing costs more the first time, and there is no staging

@@ -110,6 +110,10 @@ class StorePath:
         """Issue more paced store DMAs (``transfer/paced.py``); any thread, returns at once."""
         self._paced.pump()
 
+    def pumping(self) -> bool:
+        """Store DMAs wait to be issued by :meth:`pump` (read without a lock; any thread)."""
+        return not self._paced.idle()
+
     @staticmethod
     def _issued(job: DmaJob) -> None:
         """A store's last piece is issued: its staging buffer may be handed out again."""

@@ -11,7 +11,8 @@ Who calls what:
   :class:`DmaJob` of :class:`Piece` s and :meth:`PacedCopies.submit` s it;
 * :meth:`PacedCopies.pump` (any thread, returns at once) issues pieces while fewer than
   ``window`` are on the copy engine: vLLM's thread calls it at every hook it passes (each
-  attention layer, a step's start and end), the store finisher through :meth:`drain`;
+  attention layer while :meth:`PacedCopies.idle` is False, a step's start and end), the store
+  finisher through :meth:`drain`;
 * :meth:`PacedCopies.drain` (the finisher waiting for a ticket; the engine before it reuses a
   staging buffer) sleeps on the oldest piece's event and pumps until a job is fully issued;
   :meth:`PacedCopies.drain_all` does so for every job queued (a store that failed while issued).
@@ -126,5 +127,6 @@ class PacedCopies:
         return len(self._out)
 
     def idle(self) -> bool:
-        """No job waits to be issued (tests)."""
+        """No job waits to be issued: :meth:`pump` would do nothing.  Read without the lock (any
+        thread; jobs are submitted by vLLM's thread, the one that asks before each layer)."""
         return not self._jobs
