@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in-process: hooks see them
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    # vLLM's ZMQ sockets (``ipc://<base>/<uuid>``) of engines in their own processes: a test that
+    # kills one would leave its socket in the machine's temporary folder; here they go with the run
+    _rpc = tempfile.mkdtemp(prefix="kvplugin-tests-rpc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = _rpc
+    atexit.register(shutil.rmtree, _rpc, True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
