@@ -95,9 +95,9 @@ def engine(model: str, block_size: int, connector: dict | None, max_model_len: i
     if budget is not None:
         kw.update(max_num_batched_tokens=budget, max_num_seqs=min(8, budget))
     kw.setdefault("enable_prefix_caching", False)  # repeats must come from the plugin
-    return LLM(model=model, max_model_len=max_model_len,
-               enforce_eager=True, kv_cache_memory_bytes=kv_bytes, block_size=block_size,
-               kv_transfer_config=ktc, seed=0, **kw)
+    kw.setdefault("enforce_eager", True)  # (the GPU lane also runs vLLM's compiled, graphed engine)
+    return LLM(model=model, max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
+               block_size=block_size, kv_transfer_config=ktc, seed=0, **kw)
 
 
 def shutdown(llm) -> None:

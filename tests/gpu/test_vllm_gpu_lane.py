@@ -424,8 +424,21 @@ def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):
     assert res["scheduler"]["server_hit_tokens" if srv else "hit_tokens"] == hits
 
 
-def _seed_method_on_gpu(model: str, backend: str, tier: dict) -> dict:
-    kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30, attention_config={"backend": backend})
+def test_seed_method_on_gpu_compiled_with_cuda_graphs(model):
+    """vLLM's default engine instead of the eager one of the other tests: torch.compile and CUDA
+    graphs (FULL_AND_PIECEWISE).  A batch of one-token requests -- the warm step of a hit of k*C+1
+    tokens, every decode step -- replays one full graph, in which no per-layer hook runs; other
+    batches run graph pieces with the attention layers (and the hooks) between them.  A load is
+    issued before the replay, on a stream the replay's stream waits for; a store after it.  The
+    seeds' method against an engine of the same build without the connector."""
+    _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, enforce_eager=False,
+                        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                            "cudagraph_capture_sizes": [1, 2, 4, 8]})
+
+
+def _seed_method_on_gpu(model: str, backend: str, tier: dict, **engine_kw) -> dict:
+    kw = dict(budget=CHUNK, max_model_len=12_000, kv_bytes=1 << 30, attention_config={"backend": backend},
+              **engine_kw)
     prompts = [prompt(n, seed=n) for n in LENGTHS]
     base = engine(model, BLOCK, None, **kw)
     try:
@@ -436,6 +449,8 @@ def _seed_method_on_gpu(model: str, backend: str, tier: dict) -> dict:
     with Probe().installed() as probe:
         llm = engine(model, BLOCK, {"chunk_size": CHUNK, **tier}, **kw)
         try:
+            graphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
+            assert graphs == engine_kw.get("compilation_config", {}).get("cudagraph_mode", "NONE"), graphs
             layout = probe.worker.layouts[0]
             assert layout.semantics is ContentSemantics.GPU_FUSED and backend in layout.source, layout.describe()
             assert probe.worker.engine.name != "cpu" and probe.worker.device.type == "cuda"
