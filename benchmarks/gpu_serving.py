@@ -35,6 +35,13 @@ each batch's time scaled by its probe's (``..._speed_normalized``; the batch cou
 of the probe's work), and the probes' drift over the batch (after / before).  ``--cases
 reuse_0`` runs the 0%-reuse batches alone: twice the rounds in the same time.
 
+``--graphs``: how vLLM runs the model, every mode alike.  ``eager`` (the default, as in every run
+before 2026-12-06): no torch.compile, no CUDA graphs, so every step is bound by the host's Python
+and launches, per-layer connector plumbing included.  ``full-decode``: no torch.compile, and a
+batch of one-token requests (a decode step) replays a whole captured CUDA graph (vLLM's
+``FULL_DECODE_ONLY``; no Python runs per layer in it).  ``default``: vLLM's own default,
+torch.compile and ``FULL_AND_PIECEWISE`` graphs (a minute or more of compilation per engine).
+
 Throughput = (prompt + generated tokens) / wall seconds of the batch.  A plugin engine's stores
 still in flight when ``generate`` returns are then waited for, outside the batch's wall time
 (``drain_s``), so that they never run into the next engine's batch.  A mode's ratio to the
@@ -130,6 +137,18 @@ def prompts_of(case: str, rnd: int, streams: int, prompt_tokens: int, chunk: int
     return [p[:shared] + tokens(prompt_tokens - shared, 500_000 + 1000 * rnd + i) for i, p in enumerate(first)]
 
 
+def graph_kwargs(graphs: str, streams: int) -> dict:
+    """``LLM`` arguments for ``--graphs`` (see the module's docstring); decode batches of up to
+    ``streams`` requests are captured."""
+    if graphs == "eager":
+        return {"enforce_eager": True}
+    sizes = sorted({1, 2, 4, 8, *range(16, streams + 1, 8), streams})
+    if graphs == "full-decode":
+        return {"enforce_eager": False, "compilation_config": {
+            "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes}}
+    return {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": sizes}}
+
+
 def run_resident(mode: str, args) -> None:
     """Child: one engine, its first-use batch, then a batch per command (``CASE ROUND``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -147,8 +166,8 @@ def run_resident(mode: str, args) -> None:
     if ktc is not None and mode.startswith("kvplugin"):
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
     llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=args.prompt_tokens + args.max_tokens + 16,
-              enforce_eager=True, kv_cache_memory_bytes=args.kv_bytes, gpu_memory_utilization=args.gpu_util,
-              block_size=args.block, kv_transfer_config=ktc, seed=0)
+              kv_cache_memory_bytes=args.kv_bytes, gpu_memory_utilization=args.gpu_util,
+              block_size=args.block, kv_transfer_config=ktc, seed=0, **graph_kwargs(args.graphs, args.streams))
     _batch(llm, [tokens(args.prompt_tokens, 900_000 + i) for i in range(args.streams)], args.max_tokens)
     if args.main_cpu is not None:
         pin_main_thread(args.main_cpu)
@@ -211,7 +230,7 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
              "--max-tokens", str(args.max_tokens), "--block", str(args.block), "--chunk", str(args.chunk),
              "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
              "--gpu-util", str(args.gpu_util), "--gpu-staging-bytes", str(args.gpu_staging_bytes)] \
-            + (["--timeline"] if args.timeline else []) \
+            + ["--graphs", args.graphs] + (["--timeline"] if args.timeline else []) \
             + (["--main-cpu", str(main_cpu[mode])] if mode in main_cpu else [])
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
@@ -334,6 +353,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of every case (ratios per round, their median)")
     ap.add_argument("--timeline", action="store_true",
                     help="stage timers in every engine, and one more batch of each case with its timeline")
+    ap.add_argument("--graphs", choices=("eager", "full-decode", "default"), default="eager",
+                    help="how vLLM runs the model (see the module's docstring)")
     ap.add_argument("--pin-main", action="store_true",
                     help="each engine's main thread on a physical core of its own (host_cpus.py)")
     ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
@@ -353,7 +374,7 @@ def main() -> int:
         "benchmark": "gpu_serving", "method": "side_by_side", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC if args.model is None else args.model, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
-        "chunk_size": args.chunk, "rounds": args.rounds, "pin_main": args.pin_main,
+        "chunk_size": args.chunk, "rounds": args.rounds, "pin_main": args.pin_main, "graphs": args.graphs,
         "engines_started_s": res["engines_started_s"],
         "summary": summary, "batches": _without_outputs(res["batches"]), "kvplugin_stats": res["kvplugin_stats"],
     }
