@@ -35,12 +35,8 @@ each batch's time scaled by its probe's (``..._speed_normalized``; the batch cou
 of the probe's work), and the probes' drift over the batch (after / before).  ``--cases
 reuse_0`` runs the 0%-reuse batches alone: twice the rounds in the same time.
 
-``--graphs``: how vLLM runs the model, every mode alike.  ``eager`` (the default, as in every run
-before 2026-12-06): no torch.compile, no CUDA graphs, so every step is bound by the host's Python
-and launches, per-layer connector plumbing included.  ``full-decode``: no torch.compile, and a
-batch of one-token requests (a decode step) replays a whole captured CUDA graph (vLLM's
-``FULL_DECODE_ONLY``; no Python runs per layer in it).  ``default``: vLLM's own default,
-torch.compile and ``FULL_AND_PIECEWISE`` graphs (a minute or more of compilation per engine).
+``--graphs``: how vLLM runs the model, every mode alike (``gpu_ttft.graph_kwargs``); ``eager``, the
+default, as in every run before 2026-12-06.
 
 Throughput = (prompt + generated tokens) / wall seconds of the batch.  A plugin engine's stores
 still in flight when ``generate`` returns are then waited for, outside the batch's wall time
@@ -66,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import results_json  # noqa: E402
-from gpu_ttft import HOST_BYTES, KV_BYTES, SPEC, mode_knobs, transfer_config  # noqa: E402
+from gpu_ttft import GRAPHS, HOST_BYTES, KV_BYTES, SPEC, graph_kwargs, mode_knobs, transfer_config  # noqa: E402
 from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores, speed_probe  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
 from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
@@ -135,18 +131,6 @@ def prompts_of(case: str, rnd: int, streams: int, prompt_tokens: int, chunk: int
         return first
     shared = (prompt_tokens * 8 // 10) // chunk * chunk
     return [p[:shared] + tokens(prompt_tokens - shared, 500_000 + 1000 * rnd + i) for i, p in enumerate(first)]
-
-
-def graph_kwargs(graphs: str, streams: int) -> dict:
-    """``LLM`` arguments for ``--graphs`` (see the module's docstring); decode batches of up to
-    ``streams`` requests are captured."""
-    if graphs == "eager":
-        return {"enforce_eager": True}
-    sizes = sorted({1, 2, 4, 8, *range(16, streams + 1, 8), streams})
-    if graphs == "full-decode":
-        return {"enforce_eager": False, "compilation_config": {
-            "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes}}
-    return {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": sizes}}
 
 
 def run_resident(mode: str, args) -> None:
@@ -353,8 +337,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of every case (ratios per round, their median)")
     ap.add_argument("--timeline", action="store_true",
                     help="stage timers in every engine, and one more batch of each case with its timeline")
-    ap.add_argument("--graphs", choices=("eager", "full-decode", "default"), default="eager",
-                    help="how vLLM runs the model (see the module's docstring)")
+    ap.add_argument("--graphs", choices=GRAPHS, default="eager", help="how vLLM runs the model (gpu_ttft.graph_kwargs)")
     ap.add_argument("--pin-main", action="store_true",
                     help="each engine's main thread on a physical core of its own (host_cpus.py)")
     ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)

@@ -102,6 +102,27 @@ def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
     return None
 
 
+#: ``--graphs``: how vLLM runs the model, every mode alike (:func:`graph_kwargs`)
+GRAPHS = ("eager", "full-decode", "default")
+
+
+def graph_kwargs(graphs: str, streams: int) -> dict:
+    """``LLM`` arguments for ``--graphs``.  ``eager`` (the default, as in every run before
+    2026-12-06): no torch.compile, no CUDA graphs, so every step is bound by the host's Python and
+    launches, vLLM's per-layer connector plumbing included.  ``full-decode``: no torch.compile, and
+    a batch of one-token requests (a decode step, the one-token step after a full hit) replays a
+    whole captured CUDA graph (vLLM's ``FULL_DECODE_ONLY``: no Python runs per layer in it).
+    ``default``: vLLM's own default, torch.compile and ``FULL_AND_PIECEWISE`` graphs (a minute or
+    more of compilation per engine).  Batches of up to ``streams`` requests are captured."""
+    if graphs == "eager":
+        return {"enforce_eager": True}
+    sizes = sorted({1, 2, 4, 8, *range(16, streams + 1, 8), streams})
+    if graphs == "full-decode":
+        return {"enforce_eager": False, "compilation_config": {
+            "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes}}
+    return {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": sizes}}
+
+
 def mode_knobs(mode: str) -> None:
     """In a mode's child, before its engine: the plugin's module constants that mode changes
     (each read when the engine registers)."""
@@ -138,7 +159,7 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
     max_len = max(lengths) + 64
     kv_bytes = args.kv_bytes or (KV_BYTES if not side_by_side else _kv_bytes_for(max_len))
-    llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=max_len, enforce_eager=True,
+    llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=max_len, **graph_kwargs(args.graphs, 1),
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_util, block_size=args.block,
               kv_transfer_config=ktc, seed=0, max_num_batched_tokens=args.max_batched or max_len)
     return llm, timers
@@ -263,7 +284,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
     def args_for(mode: str) -> list[str]:
         a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
              "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util),
-             "--max-batched", str(args.max_batched)]
+             "--max-batched", str(args.max_batched), "--graphs", args.graphs]
         for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes)):
             if value is not None:
                 a += [flag, str(value)]
@@ -374,6 +395,7 @@ def main() -> int:
     ap.add_argument("--max-batched", type=int, default=None,
                     help="max_num_batched_tokens (default the longest prompt; side by side 16384: activations of "
                          "four engines fit beside each other)")
+    ap.add_argument("--graphs", choices=GRAPHS, default="eager", help="how vLLM runs the model (graph_kwargs)")
     ap.add_argument("--pin-main", action="store_true",
                     help="side by side: each engine's main thread on a physical core of its own (host_cpus.py)")
     ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
@@ -413,7 +435,8 @@ def main() -> int:
     else:
         def child_args(mode: str) -> list[str]:
             a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
-                 "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util), "--sequential"]
+                 "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util), "--sequential",
+                 "--graphs", args.graphs]
             for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes),
                                 ("--max-batched", args.max_batched)):
                 if value is not None:
@@ -459,7 +482,7 @@ def main() -> int:
         "model": SPEC if built else model,
         "kv_bytes_per_token": bpt, "block_size": args.block, "chunk_size": args.chunk,
         "host_bytes": args.host_bytes, "max_num_batched_tokens": args.max_batched, "rounds": args.rounds if side else 1,
-        "pin_main": args.pin_main,
+        "pin_main": args.pin_main, "graphs": args.graphs,
         "summary": summary, "modes": results, "errors": errors,
     }
     results_json.write(out, doc)
