@@ -319,8 +319,8 @@ def _make_cpu_session(entry: dict):
         with _step(session, "pytest"):
             session.run("pytest", *_pytest_args(session, ["tests"]), *markers,
                         "-n", os.environ.get("KVPLUGIN_TEST_WORKERS", str(min(2, os.cpu_count() or 1))),
-                        "--dist", "worksteal",
-                        "--durations=25", env=env)
+                        "--dist", "worksteal", "--durations=40",
+                        f"--junitxml={NOX_DIR / f'junit-{session.name}.xml'}", env=env)  # every test's time
 
     cpu.__doc__ = (f"vLLM {entry['version']} ({entry['wheel']}, torch {entry['torch']}, "
                    f"{entry['torch_install']}): real engines on the CPU, pytest -m 'not gpu'")

@@ -70,7 +70,8 @@ FIELDS: tuple[FieldDoc, ...] = (
              "CUDA: the most device memory the transfer engine's staging buffers hold (outside "
              "vLLM's memory budget). A hit is copied toward the GPU while it is verified only as "
              "far as it fits. Unset: a quarter of the GPU, and never more than what is free beyond "
-             "2 GiB when a buffer grows."),
+             "2 GiB when a buffer grows. A claimed load that finds no device memory to stage in is "
+             "scattered straight from the page-locked host buffers."),
     FieldDoc("certify", (bool,), True,
              "Compare the gather/scatter kernels with the independent layout reference at start-up."),
     FieldDoc("model_id", (str, type(None)), None,

@@ -148,7 +148,7 @@ def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monke
                 else:  # found before the claim: recomputed, only the verified prefix counts as a hit
                     assert warm.token_ids == want_p2, f"{reason}: served doubtful KV"
                     assert after["hit_tokens"] - before["hit_tokens"] == warm.num_cached_tokens < 8 * CHUNK
-                for i in range(3):  # nothing wrong was stored: poisoned KV, hits, right outputs
+                for i in range(2):  # nothing wrong was stored: poisoned KV, right outputs, then hits too
                     for q, want_q in ((p2, want_p2), (p, want_p)):
                         probe.poison_all_blocks(seed=i + 1)
                         r = generate(llm, [q])[0]

