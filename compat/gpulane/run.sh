@@ -6,9 +6,13 @@
 # After env.sh (vLLM 0.26.0's GPU wheel unpacked, the kernels built), runs tests/gpu: the CUDA
 # kernels and transfer engine against the layout reference, and real vLLM engines on the GPU
 # with the connector (tests/gpu/test_vllm_gpu_lane.py). Logs and a JUnit file go to $OUT.
+# The whole lane takes about 6 min on a warm H100 and more on a fresh machine (unpacking, the
+# kernels' build, torch.compile's first run); under the device's 10-minute limit per call, run
+# it as two calls when the machine is fresh: `-k "not vllm_gpu_lane"`, then `-k vllm_gpu_lane`.
+# A test stuck for 4 minutes dumps every thread's stack into the log (faulthandler_timeout).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 python3 -c "import vllm, torch, vllm_kvplugin.ops as o; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0), o.info().describe())"
-python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" --junitxml="$O/gpu-junit.xml" "$@" 2>&1 \
+python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" -o faulthandler_timeout=240 --junitxml="$O/gpu-junit.xml" "$@" 2>&1 \
     | tee "$O/gpu-tests.log" | grep -E "passed|failed|error|GPU LANE|^FAILED|^ERROR" | tail -40
 echo "done in $(( $(date +%s) - t0 )) s"

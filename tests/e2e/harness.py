@@ -126,11 +126,12 @@ def generate(llm, prompts: Sequence[list[int]], max_tokens: int = 12) -> list[Re
     return [Result(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
 
 
-def seed_method(llm, probe: Probe, prompts: Sequence[list[int]], want: Sequence[list[int]],
+def seed_method(llm, probe: Probe, prompts: Sequence[list[int]], want: Sequence[list[int]] | None,
                 chunk: int, extra=None) -> list[tuple]:
     """Each prompt cold, then warm after every block was poisoned; the failed checks per prompt.
 
-    Checks: cold output = reference and no hit; warm output = reference; vLLM's
+    Checks: cold output = reference and no hit; warm output = reference (``want=None``: the
+    reference is the cold run's output, a recompute in this very engine); vLLM's
     ``num_cached_tokens``, the plugin's loaded tokens and bytes and the poisoned target
     tokens all equal the plan.  ``extra(before, after, hit)`` adds checks on the stats.
     """
@@ -139,9 +140,10 @@ def seed_method(llm, probe: Probe, prompts: Sequence[list[int]], want: Sequence[
 
     bpt = sum(lay.bytes_per_token for lay in probe.worker.layouts)
     problems = []
-    for p, expect in zip(prompts, want):
+    for i, p in enumerate(prompts):
         n = len(p)
         cold = generate(llm, [p])[0]
+        expect = cold.token_ids if want is None else want[i]
         probe.poison_all_blocks(seed=n)
         before, loads_before = vllm_kvplugin.stats(), len(probe.loads)
         warm = generate(llm, [p])[0]
