@@ -83,7 +83,8 @@ def _outputs_a_step_late(monkeypatch) -> None:
     monkeypatch.setattr(SchedulerSide, "update_connector_output", late)
 
 
-@pytest.mark.parametrize("tier", ["local", "server", "local-late-outputs"])
+@pytest.mark.parametrize("tier", [  # the oldest lane: the local tier
+    "local", *(pytest.param(t, marks=pytest.mark.newest_lane) for t in ("server", "local-late-outputs"))])
 def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch):
     """``local-late-outputs``: the worker's outputs reach the scheduler a step late (as under
     async scheduling), while its verdicts go straight to the scheduler: the object that failed

@@ -28,7 +28,7 @@ def _plugin_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name in THREADS and t.is_alive())
 
 
-@pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=pytest.mark.server)])
+@pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=[pytest.mark.server, pytest.mark.newest_lane])])
 def test_an_engine_shut_down_finishes_its_stores_and_leaves_nothing_running(qwen3_model, tier, request,
                                                                              monkeypatch):
     """The finisher on its own thread (as on a GPU), its stores held until 0.3 s after the

@@ -53,6 +53,7 @@ def test_verify_through_the_server(qwen3_model, tmp_path, server):  # noqa: F811
     assert status == 0 and all(r["hit"] == r["expected_hit"] > 0 for r in rep["rows"]), rep["rows"]
 
 
+@pytest.mark.newest_lane  # the hybrid on 0.26: test_hybrid.py
 def test_verify_on_a_gdn_hybrid(tmp_path):
     model = str(tiny_model.build(tiny_model.QWEN3NEXT))
     extra = [x for k, v in RECURRENT_KW.items() for x in ("--" + k.replace("_", "-"), v)]

@@ -432,10 +432,10 @@ def test_seed_method_on_gpu_compiled_with_cuda_graphs(model):
     issued before the replay, on a stream the replay's stream waits for; a store after it.
 
     The reference is each prompt's recompute in this engine, not an engine without the
-    connector: two engines compile the model apart, and Inductor picks its Triton kernels'
-    configurations by timing them, reductions included, so their outputs differ in the last
-    bits (on the H100, 3 of 4 prompts' tokens did, cold ones too, while every loaded chunk
-    equalled the KV its cold forward computed)."""
+    connector: two engines compile the model apart, and with such a reference 3 of 4 prompts'
+    tokens differed on the H100, cold ones too, while every loaded chunk equalled the KV its
+    cold forward computed (a day before, they had matched; Inductor picks among its kernels'
+    variants by timing them, the likely cause)."""
     _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, reference="recompute", enforce_eager=False,
                         compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
                                             "cudagraph_capture_sizes": [1, 2, 4, 8]})
