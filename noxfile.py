@@ -61,6 +61,9 @@ RUFF = "ruff==0.17.6"
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec", "triton"]
 TORCH_FAMILY = {"torch", *BROKEN_EXTRAS}
 ENV_MARKER = "kvplugin-env.json"  # in the venv: what the heavy install put there
+# set by .ci/run, which prepares the lanes' venvs side by side before the test command: a
+# cpu or api session then installs its vLLM environment and stops
+PREPARE_ONLY = os.environ.get("KVPLUGIN_PREPARE_ONLY") == "1"
 
 nox.options.error_on_missing_interpreters = True  # never skip a lane silently
 nox.options.tags = ["ci"]  # plain `nox` == `nox -t ci`
@@ -309,6 +312,8 @@ def _make_cpu_session(entry: dict):
         env = _lane_env(entry)
         with _step(session, f"vLLM {entry['version']} environment"):
             _ensure_vllm_env(session, entry)
+        if PREPARE_ONLY:
+            return
         with _step(session, "plugin build + install"):
             _install_plugin(session)
         _check_installed(session, env)
@@ -360,6 +365,8 @@ def _make_api_session(entry: dict):
             _ensure_vllm_env(session, base)
         with _step(session, f"vLLM {entry['version']} Python files"):
             overlay = _overlay(session, entry)
+        if PREPARE_ONLY:
+            return
         env["PYTHONPATH"] = str(overlay)
         got = _py(session, "import vllm; out(vllm.__version__)", env)
         if got != entry["version"]:

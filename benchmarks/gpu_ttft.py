@@ -113,7 +113,10 @@ def graph_kwargs(graphs: str, streams: int) -> dict:
     a batch of one-token requests (a decode step, the one-token step after a full hit) replays a
     whole captured CUDA graph (vLLM's ``FULL_DECODE_ONLY``: no Python runs per layer in it).
     ``default``: vLLM's own default, torch.compile and ``FULL_AND_PIECEWISE`` graphs (a minute or
-    more of compilation per engine).  Batches of up to ``streams`` requests are captured."""
+    more of compilation per engine; two engines compile apart, and Inductor picks among kernel
+    variants by timing them, so their outputs may differ in the last bits without any fault:
+    ``tests/gpu``' graphs test compares with a recompute in the same engine).  Batches of up to
+    ``streams`` requests are captured."""
     if graphs == "eager":
         return {"enforce_eager": True}
     sizes = sorted({1, 2, 4, 8, *range(16, streams + 1, 8), streams})

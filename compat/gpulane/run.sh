@@ -9,10 +9,11 @@
 # The whole lane takes about 6 min on a warm H100 and more on a fresh machine (unpacking, the
 # kernels' build, torch.compile's first run); under the device's 10-minute limit per call, run
 # it as two calls when the machine is fresh: `-k "not vllm_gpu_lane"`, then `-k vllm_gpu_lane`.
-# A test stuck for 4 minutes dumps every thread's stack into the log (faulthandler_timeout).
+# The log names each test as it starts (-v), so a run that a time limit ends shows where it was;
+# a test stuck for 4 minutes dumps every thread's stack into the log (faulthandler_timeout).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 python3 -c "import vllm, torch, vllm_kvplugin.ops as o; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0), o.info().describe())"
-python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" -o faulthandler_timeout=240 --junitxml="$O/gpu-junit.xml" "$@" 2>&1 \
+python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider -o addopts="" -o faulthandler_timeout=240 --junitxml="$O/gpu-junit.xml" "$@" 2>&1 \
     | tee "$O/gpu-tests.log" | grep -E "passed|failed|error|GPU LANE|^FAILED|^ERROR" | tail -40
 echo "done in $(( $(date +%s) - t0 )) s"
