@@ -22,6 +22,8 @@ prompts in the same order:
   default set);
 * ``kvplugin-unsplit`` - ``kvplugin`` whose lone lookups key the whole prompt before the first
   read, as before ``metadata.FIRST_PART_CHUNKS`` (not in the default set);
+* ``kvplugin-load-in-step`` - ``kvplugin`` whose lone hits are loaded from the step's metadata
+  (``start_load_kv``), as before ``scheduler_lone.LOAD_AT_ALLOCATION`` (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
@@ -142,6 +144,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-gc-late":  # no collection in a lone fetch's wait
         from vllm_kvplugin.connector import worker_fetch
         worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62
+    if mode == "kvplugin-load-in-step":  # a lone hit loaded from the step's metadata, not at its allocation
+        from vllm_kvplugin.connector import scheduler_lone
+        scheduler_lone.LOAD_AT_ALLOCATION = False
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
         from vllm_kvplugin.connector import metadata
         metadata.FIRST_PART_CHUNKS = 0

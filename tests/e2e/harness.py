@@ -26,7 +26,6 @@ recompute bit for bit, and any wrong KV byte shows.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 import random
@@ -180,32 +179,30 @@ class Probe:
         from vllm_kvplugin.connector import worker as wmod
 
         probe = self
-        orig = wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store
+        orig = wmod.WorkerSide.register, wmod.WorkerSide._load, wmod.WorkerSide.store
 
         def register(ws, kv_caches):
             orig[0](ws, kv_caches)
             probe.worker = ws
 
-        def start_load(ws, meta):
-            for req in meta.loads:
-                n = probe._poison_targets(ws, req.jobs) if probe.poison_loads else 0
-                probe.loads.append((req.req_id, n))
+        def load(ws, req, epoch):  # each claimed load (from the step's metadata or load_now)
+            n = probe._poison_targets(ws, req.jobs) if probe.poison_loads else 0
+            probe.loads.append((req.req_id, n))
             if probe.skip_loads:  # verify as usual, then claim without writing a byte
-                meta = dataclasses.replace(meta, loads=[])
-            orig[1](ws, meta)
-            for req in meta.loads:
-                probe._compare_loaded(ws, req)
+                return
+            orig[1](ws, req, epoch)
+            probe._compare_loaded(ws, req)
 
         def store(ws, meta):
             for req in meta.stores:
                 probe._capture(ws, req.jobs)
             orig[2](ws, meta)
 
-        wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store = register, start_load, store
+        wmod.WorkerSide.register, wmod.WorkerSide._load, wmod.WorkerSide.store = register, load, store
         try:
             yield self
         finally:
-            wmod.WorkerSide.register, wmod.WorkerSide.start_load, wmod.WorkerSide.store = orig
+            wmod.WorkerSide.register, wmod.WorkerSide._load, wmod.WorkerSide.store = orig
 
     @staticmethod
     def _state_views(ws, group: int):

@@ -74,17 +74,15 @@ def _copy_error(probe, monkeypatch, slots):
 
 
 def _wrong_plan(probe, monkeypatch, slots):
-    from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.connector import worker as wmod
 
-    orig = smod.SchedulerSide.build_connector_meta
+    orig = wmod.WorkerSide._load  # (the probe's: it poisons the targets first)
 
-    def build(self, so):
-        meta = orig(self, so)
-        for req in meta.loads:
-            req.expected_bytes = tuple(b + 2048 for b in req.expected_bytes)
-        return meta
+    def load(self, req, epoch):  # the plan the scheduler sent disagrees with what would move
+        req.expected_bytes = tuple(b + 2048 for b in req.expected_bytes)
+        return orig(self, req, epoch)
 
-    monkeypatch.setattr(smod.SchedulerSide, "build_connector_meta", build)
+    monkeypatch.setattr(wmod.WorkerSide, "_load", load)
 
 
 CASES = {

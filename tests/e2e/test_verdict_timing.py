@@ -202,10 +202,11 @@ def test_a_lone_hit_is_claimed_in_the_step_that_looks_it_up(qwen3_model, monkeyp
     """With no other request in the engine, a repeat's lookup has the worker half fetch and verify
     its hit right away (this one-process engine of one rank) and claims it in that very step: the
     verdict comes before any step's metadata and the first step computes the rest of the prompt
-    (no step held back for it); full hit, right output on poisoned KV, the loaded blocks poisoned
-    before the load and equal to the computed KV after it.  With another request running, a hit
-    is fetched with a step's metadata and claimed in a later step, as before: a wait in the
-    lookup would stall the running request's steps."""
+    (no step held back for it), and its load is issued inside vLLM's allocation of its blocks
+    (``update_state_after_alloc``), not from the step's metadata; full hit, right output on
+    poisoned KV, the loaded blocks poisoned before the load and equal to the computed KV after it.
+    With another request running, a hit is fetched with a step's metadata and claimed and loaded
+    in a later step, as before: a wait in the lookup would stall the running request's steps."""
     from vllm import SamplingParams
 
     from vllm_kvplugin.chunk.format import payload_checksum
@@ -219,6 +220,13 @@ def test_a_lone_hit_is_claimed_in_the_step_that_looks_it_up(qwen3_model, monkeyp
                         lambda self, so: steps.append(so.total_num_scheduled_tokens) or build(self, so))
     counters.STATS.reset()
     with Probe().installed() as probe:
+        at_alloc, claim = [], smod.SchedulerSide.update_state_after_alloc  # loads issued in vLLM's allocation
+
+        def claimed(self, request, blocks, n):
+            before = len(probe.loads)
+            claim(self, request, blocks, n)
+            at_alloc.extend(rid for rid, _ in probe.loads[before:])
+        monkeypatch.setattr(smod.SchedulerSide, "update_state_after_alloc", claimed)
         llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK}, budget=CHUNK)
         try:
             assert generate(llm, [P])[0].token_ids == want_p
@@ -234,6 +242,7 @@ def test_a_lone_hit_is_claimed_in_the_step_that_looks_it_up(qwen3_model, monkeyp
             assert warm.token_ids == want_p and warm.num_cached_tokens == 8 * CHUNK
             s = vllm_kvplugin.stats()
             assert s["lone_fetches"] == 1 and s["loaded_tokens"] == 8 * CHUNK and s["load_failures"] == {}
+            assert len(probe.loads) == 1 and at_alloc == [probe.loads[0][0]], (probe.loads, at_alloc)
             # another request running: q's hit goes with a step's metadata
             engine_ = llm.llm_engine
             engine_.add_request("other", {"prompt_token_ids": other},
@@ -251,6 +260,7 @@ def test_a_lone_hit_is_claimed_in_the_step_that_looks_it_up(qwen3_model, monkeyp
             assert list(outs["q"].outputs[0].token_ids) == want_q and outs["q"].num_cached_tokens == 4 * CHUNK
             assert not probe.kv_mismatches and probe.kv_checked > 0
             assert [t for rid, t in probe.loads] == [8 * CHUNK, 4 * CHUNK]  # both targets poisoned first
+            assert at_alloc == [probe.loads[0][0]]  # q's load came with a step's metadata
         finally:
             shutdown(llm)
 

@@ -67,17 +67,22 @@ def test_posts_from_other_threads_are_all_taken():
 
 
 def test_the_fetcher_is_held_weakly_and_goes_with_its_worker():
-    """A worker half gone (an engine shut down) leaves no fetcher behind for the scheduler half."""
+    """A worker half gone (an engine shut down) leaves no fetcher or loader behind for the
+    scheduler half."""
 
     class Worker:
         def fetch_now(self, req, fingerprint, wait_s):
             return (req, fingerprint, wait_s)
 
+        def load_now(self, req, epoch):
+            return ("load", req, epoch)
+
     box = open_box("engine-fetcher")
-    assert box.fetcher() is None
+    assert box.fetcher() is None and box.loader() is None
     w = Worker()
-    box.attach_fetcher(w.fetch_now)
+    box.attach_worker(w.fetch_now, w.load_now)
     assert box.fetcher()("r", b"fp", 0.1) == ("r", b"fp", 0.1)
+    assert box.loader()("r", 3) == ("load", "r", 3)
     del w
     gc.collect()
-    assert box.fetcher() is None
+    assert box.fetcher() is None and box.loader() is None

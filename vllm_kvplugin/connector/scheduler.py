@@ -354,7 +354,9 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                         self.groups[o.group].object_blocks(block_ids[o.group], o.position, self.chunk_size, plan.end),
                         o.lo, o.hi)
                 for o in plan.objects]
-        self._pending_loads.append(LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens))
+        load = LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens)
+        if not self._load_here(load):
+            self._pending_loads.append(load)
         served = sum(self.server_object_bytes[j.group] for j in f.jobs) if f.lease else 0
         self._holds[tr.req_id] = (f.pins, f.lease, served)
         if f.lease:

@@ -1,5 +1,6 @@
 """A request alone in an engine of one rank: its hit fetched, verified and claimed in the step that
-looks it up, its first chunks on the link while the rest are still being keyed.
+looks it up, its first chunks on the link while the rest are still being keyed, and loaded as soon
+as vLLM has allocated its blocks.
 
 :class:`LoneFetch` is mixed into :class:`~vllm_kvplugin.connector.scheduler.SchedulerSide`; it runs
 in ``get_num_new_matched_tokens``, on vLLM's thread, where the worker half of such an engine runs
@@ -9,6 +10,14 @@ too (its ``fetch_now`` is in the verdict box, ``connector/verdicts.py``).
 request known to the connector (running or held back).  A wait then holds up nobody but requests
 that arrived along with this one, which wait at most :data:`LONE_FETCH_WAIT_S`.  With other
 requests running the hit goes with the step's metadata instead (a wait would stall their steps).
+
+The load (:meth:`LoneFetch._load_here`): vLLM prepares the step's inputs between its allocation
+and the step's ``start_load_kv`` (1.7-4 ms for an 8k-token hit on an H100's host); issued at the
+allocation, the scatter's device time (~1.2 ms at 8k) runs under that preparation instead of ahead
+of the forward.  That matters where the hit's step replays a captured CUDA graph (vLLM's default
+for one-token batches), which waits for the whole scatter before its first kernel: on an H100,
+(warm - own hit) / link 1.14 / 1.09 / 1.05 at 8k / 16k / 32k against 1.18 / 1.11 / 1.08 from the
+step's metadata.  Eager, the per-layer waits already overlapped it (no difference measured).
 
 The split (:meth:`LoneFetch._first_keys`, sized by ``metadata.first_part``; unsplit, the keys, plan
 and reads of an 8k-token hit took ~0.5 ms before the first byte on the H200's host): a long
@@ -28,7 +37,7 @@ from typing import Any
 from vllm_kvplugin import counters
 from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.keys import chunk_keys
-from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest, first_part
+from vllm_kvplugin.connector.metadata import FetchJob, FetchRequest, LoadRequest, first_part
 from vllm_kvplugin.connector.tracker import Fetch, RequestTracker
 
 #: how long the lookup of a request that arrives at an engine running nothing waits for its hit's
@@ -42,6 +51,10 @@ LONE_FETCH_WAIT_S = 0.25
 #: the grace, and its fetch came a step (~5 ms) later; at 8k-32k it was answered within 1.5-2.5
 #: ms.  A stuck server costs the lone request this much, then it is held back and asked again.
 LONE_LOOKUP_WAIT_S = 0.05
+
+#: whether a lone request's claimed hit is loaded at its allocation (:meth:`LoneFetch._load_here`);
+#: off, it is loaded from the step's metadata like any other (benchmarks compare the two)
+LOAD_AT_ALLOCATION = True
 
 
 class LoneFetch:
@@ -77,6 +90,19 @@ class LoneFetch:
             # an earlier fetch of the request, given up this step, was forgotten there first
             self._forget = [rid for rid in self._forget if rid != req.req_id]
         return done
+
+    def _load_here(self, load: LoadRequest) -> bool:
+        """From ``update_state_after_alloc``, when ``load``'s request is alone (see the module's
+        docstring) and every group restores a prefix (a state also goes into the step's own
+        block, known only with the step's metadata: ``_running_state_blocks``): the worker half
+        loads it now (``load_now``).  False: it goes with the step's metadata."""
+        if not LOAD_AT_ALLOCATION or not all(g.restores_prefix for g in self.groups) or self._alone(load.req_id) is None:
+            return False
+        load_now = self._verdicts.loader()
+        if load_now is None:
+            return False
+        load_now(load, self.epoch)
+        return True
 
     def _first_keys(self, request: Any, ids) -> int:
         """How many leading chunks of a new request to key before its lookup (0: all of them):

@@ -20,9 +20,11 @@ chunks as being stored.
 Otherwise (several ranks, or the worker in a process of its own) all of it goes with the step's
 metadata, where the scheduler counts the ranks.
 
-The worker half of such an engine also attaches its ``fetch_now`` to the box: with no request
-running, the scheduler half has the worker fetch and verify a hit during the lookup itself and
-claims it in the same step (``SchedulerSide._fetch_here``).
+The worker half of such an engine also attaches its ``fetch_now`` and ``load_now`` to the box:
+with no request running, the scheduler half has the worker fetch and verify a hit during the
+lookup itself and claims it in the same step (``SchedulerSide._fetch_here``); a claimed hit of
+groups that restore a prefix is loaded as soon as vLLM has allocated its blocks
+(``SchedulerSide._load_here``).
 
 Who calls: the scheduler half opens its engine's box when it is made (:func:`open_box`); the
 worker half looks for it when it gives a verdict (:func:`find_box`: the scheduler may be made
@@ -64,21 +66,28 @@ def _add(into: dict, counts: dict) -> None:
 class VerdictBox:
     """What the worker half posted and the scheduler half has not taken yet (see :class:`Posted`):
     the latest verdict per request; bad slots and store results accumulate until taken.  Also
-    the worker half's entry for fetching a hit at once (:meth:`attach_fetcher`)."""
+    the worker half's entries for fetching a hit at once and loading a claimed one
+    (:meth:`attach_worker`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._posted = Posted()
         self._fetcher: weakref.WeakMethod | None = None
+        self._loader: weakref.WeakMethod | None = None
 
-    def attach_fetcher(self, fetch_now: Callable[..., bool | None]) -> None:
-        """The worker half's ``fetch_now`` (a bound method, held weakly): the scheduler half may
-        call it on vLLM's thread, where both halves run, to fetch a hit in its own step."""
-        self._fetcher = weakref.WeakMethod(fetch_now)
+    def attach_worker(self, fetch_now: Callable[..., bool | None], load_now: Callable[..., None]) -> None:
+        """The worker half's ``fetch_now`` and ``load_now`` (bound methods, held weakly): the
+        scheduler half may call them on vLLM's thread, where both halves run, to fetch a hit in
+        its own step and to load a claimed hit as soon as vLLM has allocated its blocks."""
+        self._fetcher, self._loader = weakref.WeakMethod(fetch_now), weakref.WeakMethod(load_now)
 
     def fetcher(self) -> Callable[..., bool | None] | None:
         """The worker half's ``fetch_now``, if one attached and still lives."""
         return self._fetcher() if self._fetcher is not None else None
+
+    def loader(self) -> Callable[..., None] | None:
+        """The worker half's ``load_now``, if one attached and still lives."""
+        return self._loader() if self._loader is not None else None
 
     def post(self, req_id: str, serial: int, good: int, bad: dict[Slot, str] | None = None) -> None:
         """A fetch's verdict; ``bad``: local slots whose objects failed verification -> the reason."""

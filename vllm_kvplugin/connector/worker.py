@@ -200,12 +200,12 @@ class WorkerSide(FetchPath, StorePath):
         self._attach()
 
     def _attach(self) -> None:
-        """Offer :meth:`fetch_now` to the scheduler half's box (an engine of one rank whose
-        scheduler half is in this process; it may be made after this one: tried every step
-        until it is there)."""
+        """Offer :meth:`fetch_now` and :meth:`load_now` to the scheduler half's box (an engine of
+        one rank whose scheduler half is in this process; it may be made after this one: tried
+        every step until it is there)."""
         box = self._box()
         if box is not None:
-            box.attach_fetcher(self.fetch_now)
+            box.attach_worker(self.fetch_now, self.load_now)
             self._attached = True
 
     def _staging_bytes(self) -> int:
@@ -276,8 +276,19 @@ class WorkerSide(FetchPath, StorePath):
         self._progress.set()
 
     # -------------------------------------------------------------------- loads
+    def load_now(self, req: LoadRequest, epoch: int) -> None:
+        """Called by the scheduler half of an engine of one rank (through its box), on vLLM's
+        thread, in ``update_state_after_alloc``: vLLM has just allocated the blocks of a claimed
+        hit, and this step's forward (whose inputs it prepares next) is the first to read them.
+        The load is issued now instead of from the step's metadata, so its scatter runs on the
+        device while vLLM prepares the step.  As from :meth:`start_load`: the compute stream waits
+        for it, and what it did (done, or its blocks failed) goes with this step's output."""
+        with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
+            self._load(req, epoch)
+
     def _load(self, req: LoadRequest, epoch: int) -> None:
-        """Copy a claimed hit's verified objects into the KV cache (before the forward)."""
+        """Copy a claimed hit's verified objects into the KV cache (before the forward that
+        reads them: from the step's metadata or :meth:`load_now`)."""
         t0 = time.perf_counter()
         staged = self._staged.get(req.req_id, {})
         prefetched = self._prefetched.get(req.req_id, ())

@@ -6,7 +6,6 @@ this process is :func:`~vllm_kvplugin.connector.worker.registered`) and returns 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from vllm_kvplugin import counters
@@ -60,9 +59,8 @@ def skip_loads(_worker: Any, on: bool) -> bool:
     """The negative control: hits are verified and claimed as usual, but no byte is written
     into the KV cache (``verify`` must then fail)."""
     ws = _worker_half()
-    if on:
-        start = type(ws).start_load
-        ws.start_load = lambda meta: start(ws, dataclasses.replace(meta, loads=[]))
+    if on:  # every load goes through ``_load`` (from the step's metadata, or ``load_now``)
+        ws._load = lambda req, epoch: None
     else:
-        ws.__dict__.pop("start_load", None)
+        ws.__dict__.pop("_load", None)
     return on
