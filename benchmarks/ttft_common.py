@@ -263,7 +263,9 @@ def _read(path: str) -> str | None:
 
 
 def environment() -> dict:
-    """``machine`` and ``versions`` of a result document."""
+    """``machine`` and ``versions`` of a result document.  ``versions["code"]``: the commit the
+    run's checkout was, from ``KVPLUGIN_CODE`` (the device's copy of the tree has no git; the
+    device command sets it, e.g. ``KVPLUGIN_CODE=$(git rev-parse --short HEAD)`` written out here)."""
     import torch
     import vllm
 
@@ -281,4 +283,4 @@ def environment() -> dict:
                                            (_read("/proc/cpuinfo") or "").splitlines()
                                            if line.startswith("model name")), None)},
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "vllm_kvplugin": __version__}}
+                         "vllm_kvplugin": __version__, "code": os.environ.get("KVPLUGIN_CODE")}}
