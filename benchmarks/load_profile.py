@@ -24,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import gpu_ttft  # noqa: E402
 import results_json  # noqa: E402
 from ttft_common import TTFTProbe, built_gpu_model, environment, tokens  # noqa: E402
 
@@ -80,8 +81,6 @@ class HookProfile:
 
 def child(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import gpu_ttft
-
     lengths = [int(x) for x in args.lengths.split(",")]
     hp = HookProfile()
     hp.install()
@@ -118,6 +117,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "load-profile-h200.json"))
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--graphs", choices=gpu_ttft.GRAPHS, default="eager",
+                    help="how vLLM runs the model (gpu_ttft.graph_kwargs)")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)))
@@ -126,12 +127,13 @@ def main() -> int:
 
     model = args.model or built_gpu_model(str(HERE / "gpu_ttft.py"))
     out = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--lengths", args.lengths,
-                          "--repeats", str(args.repeats), "--top", str(args.top)], capture_output=True, text=True)
+                          "--repeats", str(args.repeats), "--top", str(args.top), "--graphs", args.graphs],
+                         capture_output=True, text=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode != 0 or not line:
         print(out.stderr[-4000:], file=sys.stderr)
         return 1
-    doc = {"benchmark": "load_profile", "date": time.strftime("%Y-%m-%d"), **environment(),
+    doc = {"benchmark": "load_profile", "date": time.strftime("%Y-%m-%d"), "graphs": args.graphs, **environment(),
            **json.loads(line[0][len("RESULT "):])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results_json.write(args.out, doc)
