@@ -11,11 +11,14 @@
 # it in three calls: `-k "not vllm_gpu_lane"`, `-k "vllm_gpu_lane and (seed_method or idle or gdn)"`
 # and `-k "vllm_gpu_lane and not (seed_method or idle or gdn)"` (on a fresh H100, `-k
 # vllm_gpu_lane` alone ran 12 of its 18 tests in the 480 s after its 55 s of set-up).
-# The log names each test as it starts (-v), so a run that a time limit ends shows where it was;
-# a test stuck for 4 minutes dumps every thread's stack into the log (faulthandler_timeout).
+# The log names each test as it starts (-v), so a run that a time limit ends shows where it was,
+# and each line begins with the seconds since set-up began (a test's line is written when it
+# ends: the difference to the line before is its time, also for a run cut short); a test stuck
+# for 4 minutes dumps every thread's stack into the log (faulthandler_timeout).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 python3 -c "import vllm, torch, vllm_kvplugin.ops as o; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0), o.info().describe())"
 python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider -o addopts="" -o faulthandler_timeout=240 --junitxml="$O/gpu-junit.xml" "$@" 2>&1 \
-    | tee "$O/gpu-tests.log" | grep -E "passed|failed|error|GPU LANE|^FAILED|^ERROR" | tail -40
+    | while IFS= read -r line; do printf '%4d %s\n' "$(( $(date +%s) - t0 ))" "$line"; done \
+    | tee "$O/gpu-tests.log" | grep -E "passed|failed|error|GPU LANE| FAILED| ERROR" | tail -40
 echo "done in $(( $(date +%s) - t0 )) s"
