@@ -263,9 +263,9 @@ def _read(path: str) -> str | None:
 
 
 def environment() -> dict:
-    """``machine`` and ``versions`` of a result document.  ``versions["code"]``: the commit the
-    run's checkout was, from ``KVPLUGIN_CODE`` (the device's copy of the tree has no git; the
-    device command sets it, e.g. ``KVPLUGIN_CODE=$(git rev-parse --short HEAD)`` written out here)."""
+    """``machine`` and ``versions`` of a result document.  ``versions["code"]``: the commit of the
+    run's checkout, from ``KVPLUGIN_CODE`` (the device's copy of the tree has no git: its command
+    names the commit, e.g. ``KVPLUGIN_CODE=5467f02 bash compat/gpulane/bench.sh ttft``)."""
     import torch
     import vllm
 
