@@ -441,6 +441,40 @@ def test_seed_method_on_gpu_compiled_with_cuda_graphs(model):
                                             "cudagraph_capture_sizes": [1, 2, 4, 8]})
 
 
+#: device cycles each scatter is held back in the slow-load test (~0.1 s at the H100's and H200's
+#: ~2 GHz): far longer than the ~4 ms of input preparation between a load at allocation and its
+#: forward, which without it would hide a forward that does not wait
+SLOW_SCATTER_CYCLES = 200_000_000
+
+
+@pytest.mark.parametrize("graphs", ["eager", "full-decode"])
+def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
+    """However late a load's scatter runs on the device, the forward that reads its blocks comes
+    after it: every scatter waits ~0.1 s behind a sleep kernel on the plugin's kernel stream,
+    while the load's target blocks hold noise (the probe's poison) and the seeds' method
+    compares each warm run with its cold run.  Eager, the layers wait through the per-layer
+    hooks; with vLLM's ``FULL_DECODE_ONLY`` graphs the hit's one-token step replays one captured
+    graph in which no hook runs, so the stream it replays on must wait.  A lone hit is loaded at
+    its allocation, vLLM's input preparation (~4 ms) before its forward: on time, the scatter is
+    done long before, and a missing wait would not show."""
+    from vllm_kvplugin.transfer import cuda as cmod
+
+    scatter, delayed = cmod.CudaTransfer._scatter, []
+
+    def slow_scatter(self, *a, **k):
+        torch.cuda._sleep(SLOW_SCATTER_CYCLES)  # on the current stream: the kernel stream of the load
+        delayed.append(1)
+        return scatter(self, *a, **k)
+
+    monkeypatch.setattr(cmod.CudaTransfer, "_scatter", slow_scatter)
+    kw = {} if graphs == "eager" else {
+        "enforce_eager": False,
+        "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}}
+    s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, reference="recompute", **kw)
+    assert s["lone_fetches"] > 0 and s["loaded_tokens"] > 0, s
+    assert len(delayed) > len(LENGTHS), len(delayed)  # the warm-up's scatter, then every hit's
+
+
 def _seed_method_on_gpu(model: str, backend: str, tier: dict, reference: str = "engine", **engine_kw) -> dict:
     """``reference``: "engine", an engine of the same build without the connector; "recompute",
     each prompt's cold run in the connector's engine."""
