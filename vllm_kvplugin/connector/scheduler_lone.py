@@ -14,10 +14,12 @@ requests running the hit goes with the step's metadata instead (a wait would sta
 The load (:meth:`LoneFetch._load_here`): vLLM prepares the step's inputs between its allocation
 and the step's ``start_load_kv`` (1.7-4 ms for an 8k-token hit on an H100's host); issued at the
 allocation, the scatter's device time (~1.2 ms at 8k) runs under that preparation instead of ahead
-of the forward.  That matters where the hit's step replays a captured CUDA graph (vLLM's default
-for one-token batches), which waits for the whole scatter before its first kernel: on an H100,
-(warm - own hit) / link 1.14 / 1.09 / 1.05 at 8k / 16k / 32k against 1.18 / 1.11 / 1.08 from the
-step's metadata.  Eager, the per-layer waits already overlapped it (no difference measured).
+of the forward.  The forward's stream waits for the whole scatter either way (the compute stream
+waits on its event); that costs time where the hit's step replays a captured CUDA graph (vLLM's
+default for one-token batches), whose one launch leaves the device nothing else to do: on an
+H100, (warm - own hit) / link 1.14 / 1.09 / 1.05 at 8k / 16k / 32k against 1.18 / 1.11 / 1.08
+from the step's metadata.  Eager, the host's kernel-by-kernel launches of the forward outlast the
+scatter anyway (no difference measured).
 
 The split (:meth:`LoneFetch._first_keys`, sized by ``metadata.first_part``; unsplit, the keys, plan
 and reads of an 8k-token hit took ~0.5 ms before the first byte on the H200's host): a long
