@@ -511,7 +511,9 @@ def _seed_method_on_gpu(model: str, backend: str, tier: dict, reference: str = "
 
 def test_verify_command_on_gpu(model, tmp_path):
     """``vllm-kvplugin verify`` on the GPU (issue: the seeds' proof as one command): the model
-    of this lane, 1, 8 and 40 chunks +-1, every length identical after a proven load."""
+    of this lane, 1, 8 and 40 chunks +-1, every length identical after a proven load.  Eager
+    (``--enforce-eager``, passed on to vLLM): vLLM's default compiled engine is the graphs
+    test's, and its first compile alone took about a minute of this lane's device time."""
     import json
 
     from harness import reset_vllm_globals
@@ -523,7 +525,7 @@ def test_verify_command_on_gpu(model, tmp_path):
         status = cli.main(["verify", "--model", model, "--lengths", f"{CHUNK},{8 * CHUNK},{40 * CHUNK}",
                            "--kv-transfer-config", json.dumps({"chunk_size": CHUNK, "cpu_bytes": 4 << 30}),
                            "--json", str(report), "--max-model-len", "12000", "--block-size", str(BLOCK),
-                           "--gpu-memory-utilization", "0.5"])
+                           "--gpu-memory-utilization", "0.5", "--enforce-eager"])
     finally:
         reset_vllm_globals()
     rep = json.loads(report.read_text())
