@@ -452,11 +452,11 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
     """However late a load's scatter runs on the device, the forward that reads its blocks comes
     after it: every scatter waits ~0.1 s behind a sleep kernel on the plugin's kernel stream,
     while the load's target blocks hold noise (the probe's poison) and the seeds' method
-    compares each warm run with its cold run: the forward's stream must wait for the scatter's
+    compares each warm run with its cold run.  The forward's stream must wait for the scatter's
     event, eager and when vLLM's ``FULL_DECODE_ONLY`` graphs replay the hit's one-token step (no
-    hook of the connector runs in a replay).  A lone hit is loaded at
-    its allocation, vLLM's input preparation (~4 ms) before its forward: on time, the scatter is
-    done long before, and a missing wait would not show."""
+    hook of the connector runs in a replay).  A lone hit is loaded at its allocation, vLLM's
+    input preparation (~4 ms) before its forward: on time, the scatter is done long before, and
+    a missing wait would not show."""
     from vllm_kvplugin.transfer import cuda as cmod
 
     scatter, delayed = cmod.CudaTransfer._scatter, []
