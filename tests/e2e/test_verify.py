@@ -38,6 +38,10 @@ def test_verify_passes_and_proves_the_loads(qwen3_model, tmp_path):
     for r in rep["rows"]:
         assert r["verdict"] == "identical" and r["loads_proven"], r
         assert r["hit"] == r["expected_hit"] == (r["length"] - 1) // 64 * 64, r
+    # vLLM's own hit of exactly the plugin's hit, for every length with one: from the cold run's
+    # blocks at 65 and 257; built from a prefill of the hit's tokens at 255 and 256, where vLLM's
+    # hit on the cold blocks reaches 224
+    assert [r["as_vllm_hit"] for r in rep["rows"]] == [None, None, True, True, True, True], rep["rows"]
 
 
 def test_verify_fails_when_hits_are_not_written(qwen3_model, tmp_path):

@@ -53,6 +53,8 @@ def shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
-def reset_prefix_cache(llm) -> None:
-    """vLLM's own prefix cache forgets everything (the connector's tiers keep theirs)."""
-    llm.reset_prefix_cache()
+def reset_prefix_cache(llm, connector: bool = False) -> None:
+    """vLLM's own prefix cache forgets everything; with ``connector``, so does the connector
+    (nothing it stored before is loaded again), else its tiers keep theirs."""
+    if not llm.reset_prefix_cache(reset_connector=connector):
+        raise RuntimeError(f"vLLM refused reset_prefix_cache(reset_connector={connector}): a request still running?")
