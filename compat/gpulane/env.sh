@@ -23,6 +23,20 @@ export PYTHONPATH="/tmp/site:$ROOT" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFOR
        VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
        VLLM_CACHE_ROOT=/tmp/gl-cache/vllm VLLM_KVPLUGIN_CACHE=/tmp/gl-cache/kvplugin \
        TRITON_CACHE_DIR=/tmp/gl-cache/triton SETUPTOOLS_SCM_PRETEND_VERSION=0.1.0
-CC=/usr/bin/gcc CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
-    python3 benchmarks/build_ext.py > "$O/build.log" 2>&1 || { tail -30 "$O/build.log"; exit 1; }
-echo "built in $(( $(date +%s) - t0 )) s"
+# The kernels: a build carried in .gpulane/kernels/ is used when its key matches (the sources, the
+# build script, torch, nvcc and the arch list); else they are built (25-45 s on a fresh machine)
+# and the library is left in $O as _C-<key>.so: put it into .gpulane/kernels/ for later calls.
+export TORCH_CUDA_ARCH_LIST=9.0
+EXT="vllm_kvplugin/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+KEY=$( { cat csrc/*.cpp csrc/*.h csrc/cuda/* benchmarks/build_ext.py 2>/dev/null; echo "$TORCH_CUDA_ARCH_LIST";
+         python3 -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null \
+             || python3 -c 'import torch; print(torch.__version__)'; "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" --version | tail -2; } \
+       | sha256sum | cut -c1-16)
+if [ -f ".gpulane/kernels/_C-$KEY.so" ]; then
+    cp ".gpulane/kernels/_C-$KEY.so" "$EXT" && echo "kernels: the carried build $KEY" > "$O/build.log"
+else
+    CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 \
+        python3 benchmarks/build_ext.py > "$O/build.log" 2>&1 || { tail -30 "$O/build.log"; exit 1; }
+    cp "$EXT" "$O/_C-$KEY.so" && { strip --strip-unneeded "$O/_C-$KEY.so" 2>/dev/null || true; }
+fi
+echo "built in $(( $(date +%s) - t0 )) s (kernels $KEY)"

@@ -3,7 +3,9 @@
 #
 #   bash compat/gpulane/run.sh [pytest args]
 #
-# After env.sh (vLLM 0.26.0's GPU wheel unpacked, the kernels built), runs tests/gpu: the CUDA
+# After env.sh (vLLM 0.26.0's GPU wheel unpacked, the kernels built or taken from a matching build
+# carried in .gpulane/kernels/: a call that built them leaves _C-<key>.so in $OUT, to be copied
+# there; it saves 25-45 s of every fresh machine), runs tests/gpu: the CUDA
 # kernels and transfer engine against the layout reference, and real vLLM engines on the GPU
 # with the connector (tests/gpu/test_vllm_gpu_lane.py). Logs and a JUnit file go to $OUT.
 # The whole lane takes about 6 min on a warm H100 and more on a fresh machine (unpacking, the
