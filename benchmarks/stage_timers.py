@@ -18,7 +18,11 @@
 * ``alloc``     - staging buffers allocated by the transfer engine (host wall time);
 * host wall time of the scheduler (``schedule``, ``update``), the connector's scheduler hooks
   (``match``, ``build_meta``), the model runner's calls (``execute_host``, ``sample_host``) and
-  the worker's (``start_load``, ``load_host``, ``bind``, ``take_meta``); ``sample`` on the device.
+  the worker's (``start_load``, ``load_host``, ``bind``, ``take_meta``); ``sample`` on the device;
+  of ``load_host``, ``load_issue`` is the transfer engine's part (the scatter's checks and launch:
+  the rest is the worker's Python around it), and ``after_alloc`` is the scheduler hook that
+  issues a lone hit's load (vLLM's own allocation of the hit's blocks is the gap between
+  ``match``'s end and it).
 
 ``reset()`` before a request, ``collect()`` after it (synchronizes the device): seconds per
 stage (summed), the count of each, and a ``timeline``: every interval as ``[stage, start_ms,
@@ -105,6 +109,7 @@ class StageTimers:
                                    (GPUModelRunner, "sample_tokens", "sample_host"),
                                    (SchedulerSide, "get_num_new_matched_tokens", "match"),
                                    (SchedulerSide, "build_connector_meta", "build_meta"),
+                                   (SchedulerSide, "update_state_after_alloc", "after_alloc"),
                                    (wmod.WorkerSide, "start_load", "start_load"), (wmod.WorkerSide, "_load", "load_host"),
                                    (wmod.WorkerSide, "bind", "bind"), (wmod.WorkerSide, "take_meta", "take_meta")):
             self._wrap_host(owner, name, stage)
@@ -147,6 +152,7 @@ class StageTimers:
         self._wrap_cuda(CudaTransfer, "digest", "digest", lambda e: e._dig)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")
         self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
+        self._wrap_host(CudaTransfer, "load", "load_issue")
         self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)
         return self
 
