@@ -43,6 +43,16 @@ import time
 from collections import defaultdict
 
 
+def _model_runners(v1) -> list[type]:
+    """vLLM's model runner classes: V1's, and V2's where this vLLM has it (0.26 runs a dense
+    model on V2 by default, so wrapping V1's alone timed no forward)."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    except ImportError:
+        return [v1]
+    return [v1, V2]
+
+
 class StageTimers:
     def __init__(self):
         self._host: dict[str, list[float]] = defaultdict(list)
@@ -102,11 +112,12 @@ class StageTimers:
 
         self._wrap_host(EngineCore, "step", "step")
         self._wrap_host(EngineCore, "step_with_batch_queue", "step")
-        self._wrap_cuda(GPUModelRunner, "execute_model", "forward", lambda _: torch.cuda.current_stream())
-        self._wrap_cuda(GPUModelRunner, "sample_tokens", "sample", lambda _: torch.cuda.current_stream())
+        for runner in _model_runners(GPUModelRunner):
+            self._wrap_cuda(runner, "execute_model", "forward", lambda _: torch.cuda.current_stream())
+            self._wrap_cuda(runner, "sample_tokens", "sample", lambda _: torch.cuda.current_stream())
+            self._wrap_host(runner, "execute_model", "execute_host")
+            self._wrap_host(runner, "sample_tokens", "sample_host")
         for owner, name, stage in ((Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
-                                   (GPUModelRunner, "execute_model", "execute_host"),
-                                   (GPUModelRunner, "sample_tokens", "sample_host"),
                                    (SchedulerSide, "get_num_new_matched_tokens", "match"),
                                    (SchedulerSide, "build_connector_meta", "build_meta"),
                                    (SchedulerSide, "update_state_after_alloc", "after_alloc"),
