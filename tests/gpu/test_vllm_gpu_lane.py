@@ -535,3 +535,5 @@ def test_verify_command_on_gpu(model, tmp_path):
                                                               "warm_ttft_s")} for r in rep["rows"]]))
     assert status == 0 and rep["passed"], rep["rows"]
     assert all(r["hit"] == r["expected_hit"] and r["loads_proven"] for r in rep["rows"])
+    # every length with a hit was judged against vLLM's own hit of exactly that hit, none by a margin
+    assert all(r["as_vllm_hit"] is not None for r in rep["rows"] if r["hit"]), rep["rows"]
