@@ -61,6 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import gpu_fit  # noqa: E402
 import results_json  # noqa: E402
 from gpu_ttft import GRAPHS, HOST_BYTES, KV_BYTES, SPEC, graph_kwargs, mode_knobs, transfer_config  # noqa: E402
 from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores, speed_probe  # noqa: E402
@@ -202,6 +203,8 @@ def _proc_cpu_s(pid: int) -> float | None:
 
 def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial: Path | None) -> dict:
     """Every mode's engine started, then ``args.rounds`` rounds of both cases, modes rotated."""
+    gpu_fit.check(modes, model, args.kv_bytes, args.gpu_staging_bytes,
+                  "Name fewer --modes or shrink --kv-bytes (an H100 fits --modes baseline,kvplugin).")
     server = address = None
     main_cpu = {m: core[0] for m, core in zip(modes, reserve_cores(len(modes)))} if args.pin_main else {}
     if main_cpu:

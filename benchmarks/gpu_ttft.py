@@ -62,6 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import gpu_fit  # noqa: E402
 import results_json  # noqa: E402
 from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
@@ -284,6 +285,10 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
     """Every mode's engine alive at once; per round and length, each asked in turn (rotated).
     Returns the modes' results, errors, and per length the link time of its hit measured after
     the rounds (:func:`link_seconds`)."""
+    gpu_fit.check(modes, model, args.kv_bytes or _kv_bytes_for(max(lengths) + 64), args.gpu_staging_bytes,
+                  "Name fewer --modes or shrink --kv-bytes / --gpu-staging-bytes (an H100 fits --modes "
+                  "vllm-apc,kvplugin,vllm-offloading --kv-bytes 6442450944 --gpu-staging-bytes 6442450944 "
+                  "--lengths 8193,16385,32769).")
     proc = address = None
     main_cpu = {m: core[0] for m, core in zip(modes, reserve_cores(len(modes)))} if args.pin_main else {}
     if "kvplugin-server" in modes:
