@@ -375,6 +375,22 @@ def test_lease_expiry(server_factory):
         assert not c.release(lease).found
 
 
+def test_a_lookup_that_repeats_its_keys_pins_each_object_once(server_factory):
+    """A key twice in one lookup (a client's bug or an attack) pins its objects once: released,
+    every object is evictable again and others can store (before, each repeat added a pin that
+    no release took back, and the objects were out of the LRU for the server's life)."""
+    srv = server_factory("--l1-bytes", "16MiB")
+    keys = keys_for(33, 8)
+    with MPClient(srv.address) as c:
+        assert all(store(c, oids_for(keys, 1, 1, 1), NB))
+        hits, lease = c.lookup(keys + keys + keys[:3])
+        assert hits == 19  # every position's object is there
+        assert c.stats()["l1_evictable_objects"] == 0
+        assert c.release(lease).found
+        st = c.stats()
+        assert st["leases"] == 0 and st["l1_evictable_objects"] == 8
+
+
 def test_eviction_watermarks_never_evict_pinned(server_factory):
     nb = 64 << 10
     srv = server_factory("--l1-bytes", "8MiB", "--high-watermark", "0.9", "--low-watermark", "0.6")

@@ -254,6 +254,30 @@ def test_the_sweep_keeps_a_live_pool_whatever_its_pid(server_factory, short_tmp)
             os.unlink(foreign)
 
 
+def test_a_fifo_of_a_pools_name_neither_hangs_the_sweep_nor_goes(server_factory, short_tmp):
+    """Anyone may create files in /dev/shm: a FIFO named like one of this user's pools (here in a
+    private stand-in directory) must not block the start-up's sweep (opening it for reading
+    waited for a writer forever) and is not removed; a stale pool file beside it is."""
+    from vllm_kvplugin.server.pool import sweep_stale_pools
+
+    shm = os.path.join(short_tmp, "shm")
+    os.mkdir(shm, 0o700)
+    fifo = os.path.join(shm, f"vllm-kvplugin-{os.getuid()}-1-00.pool")
+    os.mkfifo(fifo, 0o666)
+    stale = os.path.join(shm, f"vllm-kvplugin-{os.getuid()}-2-00.pool")
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    t = threading.Thread(target=lambda: sweep_stale_pools(shm), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the sweep blocked on the FIFO"
+    assert os.path.exists(fifo) and not os.path.exists(stale)
+    srv = server_factory("--l1-bytes", "8MiB", "--shm-dir", shm)  # its start-up sweeps the same directory
+    with MPClient(srv.address) as c:
+        assert os.path.dirname(c.hello()["pool_path"]) == shm
+    assert os.path.exists(fifo)
+
+
 def test_token_files_must_be_private(short_tmp):
     path = os.path.join(short_tmp, "t")
     with open(path, "w") as f:

@@ -134,7 +134,10 @@ class LeaseOps:
         return p
 
     def _pin_for(self, p: PendingLookup, e) -> None:
-        """Pin ``e`` for lookup ``p`` (out of the LRU while pinned)."""
+        """Pin ``e`` for lookup ``p`` (out of the LRU while pinned), once however often its key
+        repeats in the lookup: the lease unpins each object it holds once."""
+        if e.oid in p.pinned:
+            return
         e.pins += 1
         if e.pins == 1:
             self.lru.pop(e.oid, None)

@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 
 from vllm_kvplugin.server.auth import POOL_NAME
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
@@ -154,7 +155,9 @@ class SharedPool:
 
 def sweep_stale_pools(shm_dir: str) -> int:
     """Remove pool files of this user whose server is gone (killed by SIGKILL): those whose
-    ``flock`` nobody holds -- true across PID namespaces, unlike a pid check."""
+    ``flock`` nobody holds -- true across PID namespaces, unlike a pid check.  Only regular
+    files this user owns are touched, and none is opened in a way that can block: anyone may
+    create a file of a pool's name in /dev/shm (a FIFO there hung the start-up)."""
     n = 0
     uid = os.getuid()
     try:
@@ -167,10 +170,15 @@ def sweep_stale_pools(shm_dir: str) -> int:
             continue
         path = os.path.join(shm_dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                logger.warning("not removing %s: not a regular file of uid %d (mode %o, uid %d)",
+                               path, uid, st.st_mode, st.st_uid)
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # a live server holds it
