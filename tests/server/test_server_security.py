@@ -193,6 +193,51 @@ def test_a_process_of_another_user_is_refused_even_through_open_modes(server_fac
         assert c.stats()["clients_refused"] == 1
 
 
+_OTHER_USER_REUSES = r"""
+import os, sys, zmq
+from vllm_kvplugin.server import protocol as P
+os.setgid(65534); os.setuid(65534)
+d = zmq.Context(1).socket(zmq.DEALER); d.setsockopt(zmq.LINGER, 0)
+d.setsockopt(zmq.ROUTING_ID, bytes.fromhex(sys.argv[2]))
+d.connect(sys.argv[1])
+d.send(P.encode_request("stats", 1, P.Empty()))
+assert d.poll(5000), "no answer"
+r = P.REPLY_DECODER.decode(d.recv())
+print(r.ok, r.code, r.error)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+def test_another_user_reusing_an_engines_routing_id_is_refused(server_factory, short_tmp):
+    """A session outlives its connection until it is reaped: a process of another uid that
+    connects with the routing id of an engine's session (modes opened up) is refused too, not
+    served as that engine (the peer check ran only for routing ids without a session)."""
+    s = server_factory("--l1-bytes", "16MiB")
+    zaddr = P.parse_address(s.address).zmq
+    path = P.parse_address(s.address).path
+    rid = os.urandom(12)
+    ctx = zmq.Context(1)
+    engine = ctx.socket(zmq.DEALER)
+    engine.setsockopt(zmq.LINGER, 0)
+    engine.setsockopt(zmq.ROUTING_ID, rid)
+    engine.connect(zaddr)
+    engine.send(P.encode_request("hello", 1, P.HelloReq(auth.new_nonce(), "engine")))
+    assert engine.poll(5000) and P.REPLY_DECODER.decode(engine.recv()).ok
+    engine.close(0)
+    os.chmod(os.path.dirname(path), 0o711)
+    os.chmod(path, 0o666)
+    try:
+        r = subprocess.run([PY, "-c", _OTHER_USER_REUSES, zaddr, rid.hex()], capture_output=True, text=True,
+                           timeout=60)
+    finally:
+        os.chmod(os.path.dirname(path), 0o700)
+        ctx.term()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("False auth") and f"uid {os.getuid()} only" in r.stdout, r.stdout
+    with MPClient(s.address) as c:
+        assert c.stats()["clients_refused"] == 1
+
+
 def test_l2_directory_with_foreign_files_is_refused_and_untouched(short_tmp):
     l2 = os.path.join(short_tmp, "data")
     os.mkdir(l2)

@@ -211,7 +211,9 @@ class Server:
     def _handle(self, zframes: list[zmq.Frame], now: float) -> None:
         frames = [f.bytes for f in zframes]
         ident = frames[0]
-        if ident not in self.store.sessions and not self._peer_allowed(zframes[-1]):
+        # every message, not only a new routing id's: a session outlives its connection (until
+        # reaped), and a peer of another uid presenting a known routing id must not inherit it
+        if not self._peer_allowed(zframes[-1]):
             self.store.stats["clients_refused"] += 1
             who = f"uid {os.getuid()}" + ("" if self.cfg.allow_gid is None else f" and group {self.cfg.allow_gid}")
             self._error([ident], 0, P.E_AUTH, f"this server serves processes of {who} only")
