@@ -108,6 +108,33 @@ def test_best_hit_is_the_largest_every_group_restores():
     assert hit() == 0
 
 
+def test_best_hit_equals_the_rule_checked_position_by_position_and_stays_linear():
+    """Against every group's positions checked for every candidate hit (the rule as written),
+    on random presence; and ``present`` asked at most once per position of a prefix or window
+    group and once per candidate of a point group, however long the window (a whole window
+    checked per candidate let one lookup hold the cache server for minutes)."""
+    import random
+
+    rnd = random.Random(5)
+    for _ in range(400):
+        n, first = rnd.randrange(1, 40), rnd.randrange(0, 6)
+        needs = [rnd.choice([GroupNeed(Need.PREFIX), GroupNeed(Need.POINT),
+                             GroupNeed(Need.WINDOW, rnd.choice([1, 2, 3, 7, 65535]))])
+                 for _ in range(rnd.randrange(1, 4))]
+        have = {(p, g) for p in range(n) for g in range(len(needs)) if rnd.random() < 0.85}
+        want = next((h for h in range(n, first, -1)
+                     if all((p, g) in have for g, need in enumerate(needs) for p in need.positions(h, first))), 0)
+        asked = []
+        got = best_hit(n, first, needs, lambda p, g: asked.append((p, g)) or (p, g) in have)
+        assert got == want, (n, first, needs, sorted(have))
+        assert len(asked) <= len(needs) * max(0, n - first), (len(asked), n, first, needs)
+
+    window, n = [GroupNeed(Need.WINDOW, 65535), GroupNeed(Need.POINT)], 20_000
+    asked = []
+    assert best_hit(n, 0, window, lambda p, g: asked.append(p) or g == 0) == 0  # no checkpoint anywhere
+    assert len(asked) == 2 * n
+
+
 def test_bad_chunk_size():
     with pytest.raises(ValueError):
         plan_load(10, 0, 0, ATT, everywhere)

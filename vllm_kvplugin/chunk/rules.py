@@ -48,7 +48,12 @@ class GroupNeed:
 def best_hit(max_hit: int, first: int, needs: Sequence[GroupNeed],
              present: Callable[[int, int], bool]) -> int:
     """The largest ``hit`` in ``(first, max_hit]`` whose every group's positions are present
-    (``present(position, group)``), or 0 when there is none."""
+    (``present(position, group)``), or 0 when there is none.
+
+    Linear in groups x chunks, whatever the windows: ``present`` is asked at most once per
+    position of a prefix or window group and once per candidate hit of a point group (the
+    cache server answers lookups with it; re-checking a whole window per candidate made a
+    lookup's cost grow with chunks x window)."""
     if max_hit <= first or not needs:
         return 0
     top = max_hit
@@ -58,8 +63,22 @@ def best_hit(max_hit: int, first: int, needs: Sequence[GroupNeed],
             while pos < top and present(pos, g):
                 pos += 1
             top = pos
+    # a window group: how many positions in a row are present, ending at each position
+    runs: dict[int, list[int]] = {}
+    for g, need in enumerate(needs):
+        if need.need is Need.WINDOW:
+            run, r = [], 0
+            for pos in range(first, top):
+                r = r + 1 if present(pos, g) else 0
+                run.append(r)
+            runs[g] = run
     for hit in range(top, first, -1):
-        if all(present(p, g) for g, need in enumerate(needs) if need.need is not Need.PREFIX
-               for p in need.positions(hit, first)):
+        for g, need in enumerate(needs):
+            if need.need is Need.WINDOW:
+                if runs[g][hit - 1 - first] < min(need.window, hit - first):
+                    break
+            elif need.need is Need.POINT and not present(hit - 1, g):
+                break
+        else:
             return hit
     return 0
