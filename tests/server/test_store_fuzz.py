@@ -225,3 +225,56 @@ def test_store_with_l2_random_operations(tmp_path):
     st.workers.stop(5)
     os.close(r_fd)
     os.close(w_fd)
+
+
+class _CountingDict(dict):
+    """``objs`` that counts its lookups."""
+
+    gets = 0
+
+    def get(self, key, default=None):
+        type(self).gets += 1
+        return super().get(key, default)
+
+
+def test_a_tick_touches_only_what_is_due(tmp_path):
+    """A client holding many reservations and leases must not slow every tick (each scanned all
+    of them, every 50 ms, and another client's heartbeat waited seconds): a tick looks up only
+    the reservations due, and reservations and leases still expire when due, an extended lease
+    at its new deadline."""
+    cfg = config_from_args(["--listen", str(tmp_path / "s"), "--l1-bytes", "64MiB", "--lease-s", "5",
+                            "--reserve-s", "4", "--quarantine-s", "1"])
+    st = Store(cfg, memoryview(bytearray(64 << 20)), -1)
+    st.now = 0.0
+    s = st.hello(b"c", "c", 1, 0.0)
+    keys = keys_for(7, 2)
+    for k in keys:
+        oid = object_id(k, 0, 0, 1)
+        (off,), (ep,) = st.reserve(s, oid, [HEADER_SIZE + 100], 0.0)
+        h, pl = make_object(oid, 100)
+        st.pool[off:off + HEADER_SIZE + 100] = h + pl
+        st.commit(s, oid, [ep])
+    rep = st.lookup(s, b"".join(keys), PREFIX, 1, 1, 0, 0.0, b"c", 0, [], 0.0)
+    assert rep.lease and st.stats["leases_created"] == 1
+    many = [object_id(k, 0, 0, 1) for k in keys_for(8, 20_000)]
+    st.reserve(s, b"".join(many[:10_000]), [HEADER_SIZE + 1] * 10_000, 0.0)
+    st.reserve(s, b"".join(many[10_000:]), [HEADER_SIZE + 1] * 10_000, 2.0)
+    st.objs = _CountingDict(st.objs)
+
+    def tick(now: float) -> None:
+        s.last_seen = now  # the client's heartbeats (a silent one is reaped)
+        st.tick(now)
+
+    for now in (0.5, 1.0, 1.5, 3.0, 3.9):
+        tick(now)
+    st.resolve(rep.lease, b"".join(keys), 0, 0, 1, 3.9)  # extends the lease to 8.9
+    assert _CountingDict.gets == 0 and len(s.reserved) == 20_000
+    tick(4.5)  # the first 10,000 are due, not the rest: looked up twice each (due, reclaimed)
+    assert _CountingDict.gets <= 2 * 10_000 + 16 and len(s.reserved) == 10_000
+    assert st.stats["reservations_timed_out"] == 10_000
+    tick(6.5)
+    assert len(s.reserved) == 0 and st.stats["leases_expired"] == 0  # extended at 3.9: due at 8.9
+    tick(9.0)
+    assert st.stats["leases_expired"] == 1 and not st.leases
+    tick(10.0)
+    assert not st.quarantine and st.alloc.used == sum(e.bsize for e in st.objs.values())

@@ -125,7 +125,7 @@ def test_best_hit_equals_the_rule_checked_position_by_position_and_stays_linear(
         want = next((h for h in range(n, first, -1)
                      if all((p, g) in have for g, need in enumerate(needs) for p in need.positions(h, first))), 0)
         asked = []
-        got = best_hit(n, first, needs, lambda p, g: asked.append((p, g)) or (p, g) in have)
+        got = best_hit(n, first, needs, lambda p, g, asked=asked, have=have: asked.append((p, g)) or (p, g) in have)
         assert got == want, (n, first, needs, sorted(have))
         assert len(asked) <= len(needs) * max(0, n - first), (len(asked), n, first, needs)
 

@@ -13,6 +13,7 @@ past the keys sent and never counts a missing, uncommitted or corrupt object.
 
 from __future__ import annotations
 
+import heapq
 import secrets
 from dataclasses import dataclass, field
 
@@ -190,6 +191,7 @@ class LeaseOps:
             lid = secrets.randbits(63) or 1
         nbytes = sum(e.nbytes for e in p.pinned.values())
         self.leases[lid] = Lease(lid, p.session, p.world, p.ranks, p.pinned, now + self.cfg.lease_s, nbytes)
+        heapq.heappush(self.lease_deadlines, (now + self.cfg.lease_s, lid))
         p.session.leases.add(lid)
         self.stats["leases_created"] += 1
         self.stats["lookup_hit_objects"] += len(p.pinned)
@@ -234,6 +236,7 @@ class LeaseOps:
         lease.resolved_objects += len(sizes)
         lease.resolved_bytes += total
         lease.deadline = now + self.cfg.lease_s
+        heapq.heappush(self.lease_deadlines, (lease.deadline, lid))
         self.stats["resolves"] += 1
         self.stats["resolved_objects"] += len(sizes)
         self.stats["resolved_bytes"] += total

@@ -22,8 +22,9 @@ corrupt is dropped from L1 and L2 at once (``drop``).
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, HeaderError, header_object_id, parse_header
@@ -84,8 +85,13 @@ class Store(LeaseOps, RemoteOps):
         self.lru: OrderedDict[bytes, Obj] = OrderedDict()      # evictable READY objects, oldest first
         self.sessions: dict[bytes, Session] = {}
         self.leases: dict[int, Lease] = {}
+        # what ``tick`` expires, in deadline order, so that it touches only what is due: a
+        # client holding a million reservations or leases must not slow every tick (entries of
+        # what ended otherwise are dropped when they come due)
+        self.lease_deadlines: list[tuple[float, int]] = []                     # heap (leases extend)
+        self.reserve_deadlines: deque[tuple[float, bytes, Obj]] = deque()      # fixed reserve_s: FIFO
         self.pending: list[PendingLookup] = []
-        self.quarantine: list[tuple[float, int, int]] = []
+        self.quarantine: deque[tuple[float, int, int]] = deque()              # fixed quarantine_s: FIFO
         self.committed_bytes = 0
         self.committed_objects = 0
         self.epoch = 0  # the last reservation epoch handed out
@@ -367,6 +373,7 @@ class Store(LeaseOps, RemoteOps):
                 continue
             e = Obj(oid, nbytes, RESERVED)
             e.block, e.bsize, e.owner, e.deadline = off, bsize, s, now + self.cfg.reserve_s
+            self.reserve_deadlines.append((e.deadline, oid, e))
             self.epoch += 1
             e.epoch = epochs[-1] = self.epoch
             self.objs[oid] = e
@@ -437,26 +444,29 @@ class Store(LeaseOps, RemoteOps):
     def tick(self, now: float) -> None:
         """Expire leases and reservations, reap silent clients, end quarantines, evict to the watermark."""
         self.now = now
-        for lid in [lid for lid, ls in self.leases.items() if ls.deadline < now]:
-            self.release(lid, expired=True)
+        heap = self.lease_deadlines
+        while heap and heap[0][0] < now:
+            _, lid = heapq.heappop(heap)
+            ls = self.leases.get(lid)
+            if ls is not None and ls.deadline < now:  # (else released, or extended: a later entry)
+                self.release(lid, expired=True)
         reap_before = now - self.cfg.reap_s
         for s in [s for s in self.sessions.values() if s.last_seen < reap_before]:
             logger.info("reaping client %r (pid %d): silent for %.1f s", s.name, s.pid, now - s.last_seen)
             self.reap(s, "reaped")
-        for s in self.sessions.values():
-            late = [oid for oid in s.reserved
-                    if (e := self.objs.get(oid)) is not None and e.deadline < now]
-            if late:
-                self.stats["reservations_timed_out"] += len(late)
-                self._reclaim_reservations(s, late)
-        if self.quarantine:
-            keep = []
-            for t, off, size in self.quarantine:
-                if t <= now:
-                    self.alloc.free(off, size)
-                else:
-                    keep.append((t, off, size))
-            self.quarantine = keep
+        late: dict[int, tuple[Session, list[bytes]]] = {}
+        q = self.reserve_deadlines
+        while q and q[0][0] < now:
+            _, oid, e = q.popleft()
+            s = e.owner
+            if self.objs.get(oid) is e and e.state == RESERVED and s is not None and oid in s.reserved:
+                late.setdefault(id(s), (s, []))[1].append(oid)
+        for s, oids in late.values():
+            self.stats["reservations_timed_out"] += len(oids)
+            self._reclaim_reservations(s, oids)
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, off, size = self.quarantine.popleft()
+            self.alloc.free(off, size)
         self.evict_to_watermark()
 
     def snapshot(self) -> dict:
