@@ -209,8 +209,7 @@ class Server:
         return g is not None and (gid == g or g in auth.process_groups(pid))
 
     def _handle(self, zframes: list[zmq.Frame], now: float) -> None:
-        frames = [f.bytes for f in zframes]
-        ident = frames[0]
+        ident = zframes[0].bytes
         # every message, not only a new routing id's: a session outlives its connection (until
         # reaped), and a peer of another uid presenting a known routing id must not inherit it
         if not self._peer_allowed(zframes[-1]):
@@ -218,17 +217,18 @@ class Server:
             who = f"uid {os.getuid()}" + ("" if self.cfg.allow_gid is None else f" and group {self.cfg.allow_gid}")
             self._error([ident], 0, P.E_AUTH, f"this server serves processes of {who} only")
             return
-        if len(frames) == 2:
-            head, msg = [ident], frames[1]
-        elif len(frames) == 3 and frames[1] == b"":  # a REQ client
-            head, msg = [ident, b""], frames[2]
+        if len(zframes) == 2:
+            head, body = [ident], zframes[1]
+        elif len(zframes) == 3 and len(zframes[1]) == 0:  # a REQ client
+            head, body = [ident, b""], zframes[2]
         else:
-            self._error([ident], 0, P.E_MALFORMED, f"expected one message frame, got {len(frames) - 1}")
+            self._error([ident], 0, P.E_MALFORMED, f"expected one message frame, got {len(zframes) - 1}")
             return
-        if len(msg) > P.MAX_MESSAGE_BYTES:
+        if len(body) > P.MAX_MESSAGE_BYTES:  # refused before its bytes are copied out of the frame
             self._error(head, 0, P.E_TOO_LARGE,
-                        f"message of {len(msg)} bytes exceeds the limit of {P.MAX_MESSAGE_BYTES}")
+                        f"message of {len(body)} bytes exceeds the limit of {P.MAX_MESSAGE_BYTES}")
             return
+        msg = body.bytes
         try:
             env = P.ENVELOPE_DECODER.decode(msg)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
