@@ -163,6 +163,33 @@ def test_a_client_that_does_not_prove_the_token_gets_nothing(server_factory, sho
         assert c.stats()["clients_refused"] == 1
 
 
+def test_hellos_without_the_token_cannot_grow_the_servers_state(server_factory, short_tmp):
+    """Sessions that said hello but never proved the token are capped: past the cap the oldest
+    is dropped (before, each stayed until reaped), and a client with the token is served."""
+    from vllm_kvplugin.server.app import MAX_UNPROVEN_SESSIONS
+
+    token = os.path.join(short_tmp, "token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(TOKEN)
+    s = server_factory("--l1-bytes", "16MiB", "--token-file", token, listen="tcp://127.0.0.1:0")
+    ctx = zmq.Context(1)
+    n = MAX_UNPROVEN_SESSIONS + 40
+    try:
+        for i in range(n):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(P.parse_address(s.address).zmq)
+            d.send(P.encode_request("hello", 1, P.HelloReq(auth.new_nonce(), f"flood-{i}")))
+            assert d.poll(5000) and P.REPLY_DECODER.decode(d.recv()).ok
+            d.close(0)
+    finally:
+        ctx.term()
+    with MPClient(s.address, token=TOKEN) as c:  # its own hello was one more unproven one, briefly
+        st = c.stats()
+        assert st["clients_unproven"] == n + 1 - MAX_UNPROVEN_SESSIONS
+        assert st["clients"] == MAX_UNPROVEN_SESSIONS  # the rest unproven, and this client
+
+
 _OTHER_USER_HELLO = r"""
 import os, sys, zmq
 from vllm_kvplugin.server import auth, protocol as P

@@ -11,6 +11,7 @@ import socket
 import stat
 import sys
 import time
+from collections import OrderedDict
 
 import msgspec
 import zmq
@@ -90,9 +91,15 @@ def _check_reachable(path: str, group: int) -> None:
         d = os.path.dirname(d)
 
 
+#: sessions that said hello but have not proven the token yet (TCP): past this many the oldest
+#: is dropped, so that hellos without the token cannot grow the server's state until reaped
+MAX_UNPROVEN_SESSIONS = 256
+
+
 class Server:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
+        self._unproven: OrderedDict[bytes, None] = OrderedDict()  # routing ids, oldest first
         self.instance = os.urandom(8).hex()
         self.ctx = zmq.Context(1)
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -269,6 +276,12 @@ class Server:
             s.authed = self.cfg.token is None
             if self.cfg.token is None:
                 return self.hello_rep
+            self._unproven[ident] = None
+            self._unproven.move_to_end(ident)
+            while len(self._unproven) > MAX_UNPROVEN_SESSIONS:
+                old = st.sessions.get(self._unproven.popitem(last=False)[0])
+                if old is not None and not old.authed:
+                    st.reap(old, "unproven")
             return msgspec.structs.replace(self.hello_rep, auth_required=True, server_nonce=s.server_nonce,
                                            proof=auth.server_proof(self.cfg.token, body.nonce, s.server_nonce))
         s = st.sessions.get(ident)
@@ -281,6 +294,7 @@ class Server:
                 st.reap(s, "refused")
                 raise RequestError(P.E_AUTH, "wrong proof of the token")
             s.authed = True
+            self._unproven.pop(ident, None)
             return P.Empty()
         if not s.authed:
             raise RequestError(P.E_AUTH, "this server needs the token: auth first")

@@ -59,7 +59,7 @@ COUNTERS = (
     "reservations_reclaimed", "reservations_timed_out", "l2_writes", "l2_write_bytes",
     "l2_write_errors", "l2_reads_started", "l2_promoted_objects", "l2_promoted_bytes",
     "l2_promote_failures", "l2_corrupt_files", "l2_evictions", "l2_reindexed_objects",
-    "dropped_reported_corrupt", "clients_refused",
+    "dropped_reported_corrupt", "clients_refused", "clients_unproven",
 )
 
 
