@@ -230,10 +230,12 @@ def test_store_with_l2_random_operations(tmp_path):
 class _CountingDict(dict):
     """``objs`` that counts its lookups."""
 
-    gets = 0
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.gets = 0
 
     def get(self, key, default=None):
-        type(self).gets += 1
+        self.gets += 1
         return super().get(key, default)
 
 
@@ -259,7 +261,7 @@ def test_a_tick_touches_only_what_is_due(tmp_path):
     many = [object_id(k, 0, 0, 1) for k in keys_for(8, 20_000)]
     st.reserve(s, b"".join(many[:10_000]), [HEADER_SIZE + 1] * 10_000, 0.0)
     st.reserve(s, b"".join(many[10_000:]), [HEADER_SIZE + 1] * 10_000, 2.0)
-    st.objs = _CountingDict(st.objs)
+    st.objs = counted = _CountingDict(st.objs)
 
     def tick(now: float) -> None:
         s.last_seen = now  # the client's heartbeats (a silent one is reaped)
@@ -268,9 +270,9 @@ def test_a_tick_touches_only_what_is_due(tmp_path):
     for now in (0.5, 1.0, 1.5, 3.0, 3.9):
         tick(now)
     st.resolve(rep.lease, b"".join(keys), 0, 0, 1, 3.9)  # extends the lease to 8.9
-    assert _CountingDict.gets == 0 and len(s.reserved) == 20_000
+    assert counted.gets == 0 and len(s.reserved) == 20_000
     tick(4.5)  # the first 10,000 are due, not the rest: looked up twice each (due, reclaimed)
-    assert _CountingDict.gets <= 2 * 10_000 + 16 and len(s.reserved) == 10_000
+    assert counted.gets <= 2 * 10_000 + 16 and len(s.reserved) == 10_000
     assert st.stats["reservations_timed_out"] == 10_000
     tick(6.5)
     assert len(s.reserved) == 0 and st.stats["leases_expired"] == 0  # extended at 3.9: due at 8.9
