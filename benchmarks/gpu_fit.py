@@ -43,10 +43,10 @@ def needed_bytes(modes: Sequence[str], weights: int, kv_bytes: int, staging_byte
 
 def check(modes: Sequence[str], model: str, kv_bytes: int, staging_bytes: int, hint: str) -> None:
     """Exit with what the engines need and ``hint`` when they cannot fit the GPU; else print it."""
-    total = gpu_bytes()
-    need = needed_bytes(modes, weights_bytes(model), kv_bytes, staging_bytes)
+    total, weights = gpu_bytes(), weights_bytes(model)
+    need = needed_bytes(modes, weights, kv_bytes, staging_bytes)
     what = (f"{len(modes)} engines ({','.join(modes)}) need ~{need / GiB:.1f} GiB: weights "
-            f"{weights_bytes(model) / GiB:.1f}, KV {kv_bytes / GiB:.1f} and ~{WORK_BYTES / GiB:.0f} of work space "
+            f"{weights / GiB:.1f}, KV {kv_bytes / GiB:.1f} and ~{WORK_BYTES / GiB:.0f} of work space "
             f"each, staging {staging_bytes / GiB:.1f} each for the plugin's")
     if total is not None and need > total:
         raise SystemExit(f"{what}; the GPU has {total / GiB:.1f} GiB. {hint}")
