@@ -93,7 +93,7 @@ def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
     from vllm.config import KVTransferConfig
 
     if mode.startswith("kvplugin"):
-        extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode == "kvplugin-server" else host_bytes}
+        extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode.startswith("kvplugin-server") else host_bytes}
         if mode == "kvplugin-noverify":  # what the payload checksums cost
             extra["verify_checksums"] = False
         if server:
@@ -148,6 +148,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-load-in-step":  # a lone hit loaded from the step's metadata, not at its allocation
         from vllm_kvplugin.connector import scheduler_lone
         scheduler_lone.LOAD_AT_ALLOCATION = False
+    if mode == "kvplugin-server-resolving":  # the worker resolves a hit's objects, as with several ranks
+        from vllm_kvplugin.tiers import mp
+        mp.LOOKUP_RESOLVES = False
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
         from vllm_kvplugin.connector import metadata
         metadata.FIRST_PART_CHUNKS = 0
@@ -291,7 +294,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
                   "--lengths 8193,16385,32769).")
     proc = address = None
     main_cpu = {m: core[0] for m, core in zip(modes, reserve_cores(len(modes)))} if args.pin_main else {}
-    if "kvplugin-server" in modes:
+    if any(m.startswith("kvplugin-server") for m in modes):
         proc, address = start_server(args.host_bytes)
 
     def args_for(mode: str) -> list[str]:
@@ -303,7 +306,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
                 a += [flag, str(value)]
         if mode in main_cpu:
             a += ["--main-cpu", str(main_cpu[mode])]
-        return a + (["--server", address] if mode == "kvplugin-server" else [])
+        return a + (["--server", address] if mode.startswith("kvplugin-server") else [])
 
     per: dict[str, list[dict]] = {m: [] for m in modes}
     profiles: dict[str, list[dict]] = {}
@@ -368,6 +371,8 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, 
         # one mode's time above its engine's own hit over another's above its own:
         # the raw warm ratio also holds how fast each engine process launches (eager mode)
         for name, (a, b) in {"server_vs_inprocess_above_own_hit": ("kvplugin-server", "kvplugin"),
+                             "server_resolving_over_server_above_own_hit": ("kvplugin-server-resolving",
+                                                                            "kvplugin-server"),
                              "vllm_offloading_over_kvplugin_above_own_hit": ("vllm-offloading", "kvplugin")}.items():
             if a in above and b in above:
                 each = [x / y for x, y in zip(above[a], above[b])]

@@ -102,7 +102,8 @@ def server():
 def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, server, monkeypatch):
     """P's repeat, alone in an engine whose only tier is the cache server: the server's answer
     covers all 8 chunks, and the worker resolves, reads and sends the first 4 (``first_part``)
-    before it resolves and reads the other 4 -- one fetch, one verdict over both parts in order.
+    before it resolves and reads the other 4 -- one fetch, one verdict over both parts in order
+    (resolved where the lookup placed them: the worker sends the server no resolve).
     A byte flipped in chunk 3 (the first part) on the server ends the hit before it, the object
     is dropped there, the output is right on poisoned KV and the next run hits in full.
     ``FIRST_PART_CHUNKS = 0``: one resolve of all 8 first."""
@@ -134,8 +135,10 @@ def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, s
             run(8)
             assert events == first + second, events
             assert vllm_kvplugin.stats()["lone_fetches"] == 1
-            flip, client = _server_flip(probe, P, server.address)
+            flip, client = _server_flip(probe, P, server.address)  # (which resolves one object)
             try:
+                st = client.stats()  # one rank: the lookup placed every object, the worker resolved none
+                assert st["resolves"] == 1 and st["lookup_resolves"] >= 1, st
                 flip()
                 run(3)
                 assert events[:len(first) + len(second)] == first + second, events

@@ -131,10 +131,16 @@ def test_two_engine_processes_share_the_server(qwen3_model, server):
 def test_server_killed(qwen3_model, server, when, monkeypatch):
     """kill -9 (or restart, or SIGSTOP) the server: the engine recomputes (no hang), keeps
     serving, stores nothing computed over a load that did not happen, and hits again later.
-    "during-load": between the scheduler's lookup and the workers' fetch of the hit."""
+    "...-during-load": between the scheduler's lookup and the workers' fetch of the hit.  The
+    lookup of this engine of one rank answers where the hit's objects are (``LOOKUP_RESOLVES``):
+    killed, the server leaves them mapped and pinned, and they are read and verified as any
+    hit; restarted, and met by the worker's client first, its new instance voids them (not
+    fetched).  Stopped: the worker's own resolve (the lookup resolving nothing, as an engine of
+    several ranks does) gets no answer (not fetched)."""
     import signal
 
     from vllm_kvplugin.tiers import mp
+    from vllm_kvplugin.tiers.mp_client import TierUnavailable
 
     p = prompt(12 * CHUNK + 5, seed=500)
     p2 = p + prompt(2 * CHUNK + 3, seed=502)
@@ -172,14 +178,19 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                         found = orig(self, keys, first)
                         if found.hits:
                             monkeypatch.undo()
+                            assert bool(found.resolved) == (when != "stopped-during-load")
                             if when == "stopped-during-load":
                                 server.proc.send_signal(signal.SIGSTOP)
                             else:
                                 server.kill9()
                                 if when == "restarted-during-load":
                                     server.start()
+                                    with pytest.raises(TierUnavailable):  # the worker's client meets it
+                                        probe.worker.server._client.stats()
                         return found
 
+                    if when == "stopped-during-load":
+                        monkeypatch.setattr(mp, "LOOKUP_RESOLVES", False)
                     monkeypatch.setattr(mp.ServerIndex, "lookup", lookup_then_fault)
                 probe.poison_all_blocks()
                 t0 = time.monotonic()
@@ -189,11 +200,15 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                 # a restarted server may be asked again once the client's back-off is over: it finds
                 # the prefix in its L2 and that hit, verified like any other, is right
                 again = when == "restarted-during-load" and warm.num_cached_tokens == 12 * CHUNK
-                assert warm.token_ids == want_p2 and (warm.num_cached_tokens == 0 or again), warm
                 s = vllm_kvplugin.stats()
+                if when == "during-load":  # read where the lookup placed them, verified: a hit
+                    assert warm.token_ids == want_p2 and warm.num_cached_tokens == 12 * CHUNK, warm
+                    assert s["load_failures"] == {} and s["hit_tokens"] == 12 * CHUNK, s
+                else:
+                    assert warm.token_ids == want_p2 and (warm.num_cached_tokens == 0 or again), warm
                 if when == "before-load":
                     assert s["server_lookup_errors"] >= 1
-                else:  # the hit was found, then could not be fetched: never claimed
+                elif when != "during-load":  # the hit was found, then could not be fetched: never claimed
                     assert sum(s["load_failures"].values()) >= 1, s
                     assert s["hit_tokens"] == warm.num_cached_tokens, s
                 if when == "stopped-during-load":

@@ -19,6 +19,7 @@ from srvutil import (
     wait_for,
 )
 
+from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE, pack_header, payload_checksum
 from vllm_kvplugin.server.protocol import object_id
 from vllm_kvplugin.tiers.mp_client import MPClient, ServerError
@@ -242,3 +243,43 @@ def test_threads_share_one_client_and_prefaulted_pool(server_factory):
         st = c.stats()
         assert st["objects"] == 4 * 5 * 20 * 2 and st["leases"] == 0 and st["clients"] == 1
         wait_for(lambda: c.stats().get("op_heartbeat", 0) > 0)
+
+
+def test_a_lookup_that_resolves_answers_what_resolve_would(server):
+    """``resolve_rank``: the lookup also answers where that rank's pinned objects are, as one
+    resolve per group would, each object's bytes the ones stored, counted as served."""
+    w, n, first = 2, 20, 3
+    needs = [(0, 0), (1, 2), (2, 0)]  # a prefix, a window of 2 chunks, a state at the hit
+    keys = keys_for(77, n)
+    with MPClient(server.address) as c:
+        assert all(store(c, oids_for(keys, len(needs), w, w), NB))
+        before = c.stats()
+        r = c.lookup_detail(keys, needs, ranks=w, world=w, first=first, resolve_rank=1)
+        assert r.hits == n and r.instance == c.instance
+        # the positions each rule restores, written out here (not from chunk.rules)
+        want = ([(0, p) for p in range(first, n)] + [(1, n - 2), (1, n - 1)] + [(2, n - 1)])
+        assert sorted(r.resolved) == sorted(want)
+        for (g, p), (off, size) in r.resolved.items():
+            header, payload = make_object(object_id(keys[p], g, 1, w), NB)
+            assert size == HEADER_SIZE + NB and bytes(c.object_view(off, size)) == header + payload
+        after = c.stats()
+        assert after["lookup_resolves"] - before["lookup_resolves"] == 1
+        assert after["resolves"] == before["resolves"]  # no resolve was sent
+        # the same answer as the resolves of each group (which count as served again)
+        for g in range(len(needs)):
+            ps = [p for gg, p in want if gg == g]
+            assert c.resolve(r.lease, [keys[p] for p in ps], g, 1, w) == [r.resolved[(g, p)] for p in ps]
+        rep = c.release(r.lease)
+        assert rep.pinned_objects == 2 * len(want)  # both ranks pinned, rank 1 resolved twice
+        assert rep.resolved_objects == 2 * len(want) and rep.resolved_bytes == rep.pinned_bytes
+        # a lookup that resolves no rank answers no offsets; a miss answers none
+        plain = c.lookup_detail(keys, needs, ranks=w, world=w)
+        assert plain.resolved == {} and plain.instance == ""
+        c.release(plain.lease)
+        assert c.lookup_detail(keys_for(78, 4), needs, ranks=w, world=w, resolve_rank=0).resolved == {}
+        # a rank that was not looked up is refused by the server (the client refuses it first)
+        with pytest.raises(ValueError):
+            c.lookup_detail(keys, needs, ranks=1, world=w, resolve_rank=1)
+        with pytest.raises(ServerError) as ei:
+            c._call("lookup", P.LookupReq(b"".join(keys), needs, 1, w, 0, 0, b"", 1))
+        assert ei.value.code == "invalid"

@@ -23,11 +23,24 @@ from dataclasses import dataclass, field
 from vllm_kvplugin.adapters.api import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the scheduler's server lookup placed a leased object: ``offset`` (``nbytes``, header
+    included) in the pool of server ``instance``, to be read without a resolve before ``until``
+    (monotonic: half the lease's time after the lookup was sent)."""
+
+    instance: str
+    offset: int
+    nbytes: int
+    until: float
+
+
 @dataclass
 class FetchJob:
     """One object to read and verify: group ``group``'s object of chunk ``position``.
 
-    From the local tier (``slot`` >= 0) or from the cache server under ``lease``.
+    From the local tier (``slot`` >= 0) or from the cache server under ``lease``: where the
+    lookup ``placed`` it, else where the worker's resolve finds it.
     """
 
     key: bytes
@@ -35,6 +48,7 @@ class FetchJob:
     group: int
     slot: int = -1
     lease: int = 0
+    placed: Placement | None = None
 
 
 @dataclass

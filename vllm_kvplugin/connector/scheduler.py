@@ -52,6 +52,7 @@ from vllm_kvplugin.connector.metadata import (
     KVPluginWorkerMeta,
     LoadJob,
     LoadRequest,
+    Placement,
     StoreRequest,
 )
 from vllm_kvplugin.connector.scheduler_lone import LONE_LOOKUP_WAIT_S, LoneFetch
@@ -61,7 +62,7 @@ from vllm_kvplugin.connector.verdicts import open_box
 from vllm_kvplugin.layout.build import LayoutError
 from vllm_kvplugin.planner import LoadPlan, ObjectLoad, max_loadable_tokens, plan_load
 from vllm_kvplugin.tiers.local_cpu import LocalIndex, slots_for_budget
-from vllm_kvplugin.tiers.mp import ServerIndex, TierTrouble
+from vllm_kvplugin.tiers.mp import Lookup, ServerIndex, TierTrouble
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,13 @@ LOOKUP_GRACE_S = 0.002
 #: stored meanwhile: that prompt is then computed, which is always correct.  A request vLLM
 #: scheduled (then preempted) is asked afresh: its own chunks may be on the server by then.
 MISS_REUSE_S = 1.0
+
+
+def _server_job(key: bytes, o: ObjectLoad, found: Lookup) -> FetchJob:
+    """The job of planned object ``o`` of server hit ``found``, placed where the lookup said."""
+    where = found.resolved.get((o.group, o.position))
+    placed = Placement(found.instance, where[0], where[1], found.placed_until) if where else None
+    return FetchJob(key, o.position, o.group, lease=found.lease, placed=placed)
 
 
 class SchedulerSide(StoreDecisions, LoneFetch):
@@ -248,7 +256,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         C = self.chunk_size
         max_hit = self._limit(tr)
         plan = self._local_plan(tr, num_computed, max_hit)
-        lease = 0
+        server_hit = None
         local_end = plan.end // C if plan else 0
         if self.server is not None and local_end < max_hit and not self._miss_stands(tr, num_computed, local_end):
             if tr.server_lookup is None:
@@ -264,25 +272,28 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                 counters.SCHEDULER.add(server_lookup_errors=1)
                 logger.warning("vllm-kvplugin: server lookup failed (%s); the prompt is computed", e)
             else:
-                if num_computed // C < tr.server_lookup_first:
+                if num_computed // C < tr.server_lookup_first or (found.resolved and num_computed // C > tr.server_lookup_first):
                     # vLLM stands before the chunk it was asked from (its prefix cache let blocks
-                    # go meanwhile): the lease pins nothing below that chunk, so ask again
+                    # go meanwhile): the lease pins nothing below that chunk; or past it, and the
+                    # lookup resolved objects the plan would not load (served != planned): ask again
                     self._release(found.lease)
                     return self._lookup(tr, num_computed)
                 tr.server_hits = found.hits
                 if found.hits > local_end and found.hits * C > num_computed:  # the server pinned that hit
                     plan = plan_load(tr.prompt_len, num_computed, C, self.groups, lambda pos, g: True,
                                      limit=found.hits)
-                    lease = found.lease
+                    server_hit = found
                 else:
                     self._release(found.lease)
                     tr.server_answered_at = time.monotonic()
         if plan is None:
             return None
         pins: list[tuple[int, int]] = []
-        jobs = ([FetchJob(tr.keys[o.position], o.position, o.group, lease=lease) for o in plan.objects] if lease
-                else self._pinned_jobs(tr, plan.objects, pins))
-        return Fetch(plan, jobs, lease, pins, issued=time.monotonic())
+        if server_hit is not None:
+            jobs = [_server_job(tr.keys[o.position], o, server_hit) for o in plan.objects]
+        else:
+            jobs = self._pinned_jobs(tr, plan.objects, pins)
+        return Fetch(plan, jobs, server_hit.lease if server_hit else 0, pins, issued=time.monotonic())
 
     def _miss_stands(self, tr: RequestTracker, num_computed: int, local_end: int) -> bool:
         """The server's last answer for ``tr`` (within :data:`MISS_REUSE_S`, the request never

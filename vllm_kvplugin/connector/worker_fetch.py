@@ -325,13 +325,19 @@ class FetchPath:
             self.engine.release(s.pre)
 
     def _resolve_remote(self, jobs, views) -> None:
-        """Pool views (header bytes, payload tensor) of the leased jobs, per group."""
+        """Pool views (header bytes, payload tensor) of the leased jobs: where the scheduler's
+        lookup placed them, else resolved here, per group."""
         by_group: dict[int, list[int]] = {}
+        now = time.monotonic()
+        placed = [n for n, job in enumerate(jobs) if job.lease and job.placed and now < job.placed.until]
         for n, job in enumerate(jobs):
-            if job.lease:
+            if job.lease and n not in placed:
                 by_group.setdefault(job.group, []).append(n)
-        if by_group and self.server is None:
+        if (by_group or placed) and self.server is None:
             raise TierTrouble("server_unavailable", "no server configured in this worker")
+        for n in placed:
+            header_t, payload_t = self.server.leased_views(jobs[n].placed)
+            views[n] = (bytes(header_t.numpy()), payload_t)
         for g, idx in by_group.items():
             offs = self.server.resolve(jobs[idx[0]].lease, [jobs[n].key for n in idx], g)
             for n, (off, size) in zip(idx, offs):
@@ -352,8 +358,8 @@ class FetchPath:
                 continue  # fine, or the tier could not answer: nothing known to be wrong with it
             if job.slot >= 0:
                 bad[(job.group, job.slot)] = e.reason
-            elif job.lease and self.server is not None:
-                corrupt.append(self.server.object_id(job.key, job.group))
+            elif job.lease and self.server is not None and (job.placed is None or self.server.serves(job.placed)):
+                corrupt.append(self.server.object_id(job.key, job.group))  # (not another server's object)
         if corrupt:
             self.server.drop(corrupt)
         return bad

@@ -112,7 +112,7 @@ class Server:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         try:
-            self.store = Store(cfg, self.pool.view, self._wake_w)
+            self.store = Store(cfg, self.pool.view, self._wake_w, self.instance)
             self.address = self._bind()
         except BaseException:
             self.router.close(0)
@@ -302,7 +302,7 @@ class Server:
             return P.Empty()
         if op == "lookup":
             r = st.lookup(s, body.keys, parse_needs(body.needs), body.ranks, body.world, body.first,
-                          body.wait_ms / 1000.0, ident, req_id, head, now, body.fingerprint)
+                          body.wait_ms / 1000.0, ident, req_id, head, now, body.fingerprint, body.resolve_rank)
             return None if isinstance(r, PendingLookup) else r
         if op == "resolve":
             offsets, sizes = st.resolve(body.lease, body.keys, body.group, body.rank, body.world, now)

@@ -6,7 +6,8 @@ the hit, or one state checkpoint at the hit).  It answers the largest hit every
 group can restore from objects of every rank, and pins exactly the objects that
 hit needs under a lease; objects only in L2 are read back first (within the
 lookup's time budget), and the hit is chosen again from what actually arrived.
-A resolve returns only objects its lease pins.  The reported hit is a pure
+A resolve returns only objects its lease pins; a lookup may answer one rank's offsets
+itself (``resolve_rank``), as a resolve of each group's objects would.  The reported hit is a pure
 function of the request and the objects present: the server never extends it
 past the keys sent and never counts a missing, uncommitted or corrupt object.
 """
@@ -80,6 +81,7 @@ class PendingLookup:
     probing: bool = False              # the remote store's answer is on its way
     fingerprint: bytes = b""           # the remote namespace asked
     remote_promoted: int = 0
+    resolve_rank: int = -1             # >= 0: the reply resolves this rank's objects
 
 
 def parse_needs(raw: list) -> list[GroupNeed]:
@@ -95,11 +97,13 @@ class LeaseOps:
     # ------------------------------------------------------------------ lookups
     def lookup(self, s, keys: bytes, needs: list[GroupNeed], ranks: int, world: int, first: int,
                wait_s: float, ident: bytes, req_id: int, reply_frames: list, now: float,
-               fingerprint: bytes = b""):
+               fingerprint: bytes = b"", resolve_rank: int = -1):
         if len(keys) % KEY_SIZE:
             raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
         if ranks > world:
             raise RequestError(E_INVALID, f"ranks {ranks} > world {world}")
+        if resolve_rank >= ranks:
+            raise RequestError(E_INVALID, f"resolve_rank {resolve_rank} is not one of the {ranks} ranks looked up")
         n = len(keys) // KEY_SIZE
         per = len(needs) * ranks
         if not needs or per > MAX_OBJECTS_PER_POSITION or per * n > MAX_LOOKUP_OBJECTS:
@@ -121,7 +125,7 @@ class LeaseOps:
 
         hit = best_hit(n, first, needs, usable)
         p = PendingLookup(ident, req_id, reply_frames, s, keys, needs, first, ranks, world, hit, {},
-                          now + wait_s)
+                          now + wait_s, resolve_rank=resolve_rank)
         for oid in self._needed(keys, needs, first, hit, sfx) if hit else ():
             self._pin_for(p, get(oid))
         for e in p.pinned.values():  # bring L2-only objects back; without room they stay out of the hit
@@ -198,7 +202,12 @@ class LeaseOps:
         l2_hits = min(p.promoted, len(p.pinned))
         self.stats["l2_hit_objects"] += l2_hits
         self.stats["l1_hit_objects"] += max(0, len(p.pinned) - l2_hits - p.remote_promoted)
-        return LookupRep(hit, lid, nbytes, p.promoted)
+        if p.resolve_rank < 0:
+            return LookupRep(hit, lid, nbytes, p.promoted)
+        mine = [[row[p.resolve_rank]] for row in sfx]  # each group's suffix, of that rank alone
+        offsets, sizes = self._resolved(self.leases[lid], self._needed(keys, p.needs, p.first, hit, mine))
+        self.stats["lookup_resolves"] += 1
+        return LookupRep(hit, lid, nbytes, p.promoted, offsets, sizes, self.instance)
 
     def _finish_pending(self, p: PendingLookup) -> LookupRep:
         self.pending.remove(p)
@@ -223,21 +232,26 @@ class LeaseOps:
         if len(keys) % KEY_SIZE:
             raise RequestError(E_INVALID, f"keys blob of {len(keys)} bytes is not a multiple of {KEY_SIZE}")
         sfx = oid_suffix(group, rank, world)
-        offsets, sizes = [], []
+        oids = []
         for i in range(0, len(keys), KEY_SIZE):
-            e = lease.pinned.get(keys[i:i + KEY_SIZE] + sfx)
-            if e is None:
+            oid = keys[i:i + KEY_SIZE] + sfx
+            if oid not in lease.pinned:
                 self.stats["resolve_not_leased"] += 1
                 raise RequestError(E_NOT_LEASED, f"key #{i // KEY_SIZE} ({keys[i:i + KEY_SIZE].hex()}) of "
                                                  f"group {group} rank {rank}/{world} is not pinned by lease {lid}")
-            offsets.append(e.offset)
-            sizes.append(e.nbytes)
-        total = sum(sizes)
-        lease.resolved_objects += len(sizes)
-        lease.resolved_bytes += total
+            oids.append(oid)
         lease.deadline = now + self.cfg.lease_s
         heapq.heappush(self.lease_deadlines, (lease.deadline, lid))
         self.stats["resolves"] += 1
+        return self._resolved(lease, oids)
+
+    def _resolved(self, lease: Lease, oids: list[bytes]) -> tuple[list[int], list[int]]:
+        """(offsets, sizes) of objects ``lease`` pins, counted as served."""
+        offsets = [lease.pinned[oid].offset for oid in oids]
+        sizes = [lease.pinned[oid].nbytes for oid in oids]
+        total = sum(sizes)
+        lease.resolved_objects += len(sizes)
+        lease.resolved_bytes += total
         self.stats["resolved_objects"] += len(sizes)
         self.stats["resolved_bytes"] += total
         return offsets, sizes

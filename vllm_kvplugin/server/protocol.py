@@ -25,8 +25,9 @@ from vllm_kvplugin.chunk.keys import KEY_SIZE
 
 #: bumped on any incompatible change of the messages below (2: 32-byte keys, per-group
 #: lookup rules, ``drop``; 3: mutual proof of the token, ``auth``; 4: reservation epochs;
-#: 5: a lookup names its model fingerprint, the remote tier's namespace)
-PROTOCOL_VERSION = 5
+#: 5: a lookup names its model fingerprint, the remote tier's namespace; 6: a lookup may
+#: answer its objects' pool offsets, as a resolve would)
+PROTOCOL_VERSION = 6
 #: a request larger than this gets a ``too_large`` error reply
 MAX_MESSAGE_BYTES = 16 << 20
 #: ZMQ drops the connection of a peer sending more than this (no reply possible)
@@ -143,6 +144,9 @@ class LookupReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0  # budget for L2/remote -> L1 promotion
     #: the model fingerprint of the keys (chunk headers'): the remote store's namespace (empty: not asked)
     fingerprint: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+    #: >= 0: the reply also resolves the lease's objects of this rank (< ranks), as one resolve
+    #: of each group's would (an engine of one rank, whose worker then needs no resolve)
+    resolve_rank: Annotated[int, msgspec.Meta(ge=-1, le=0xFFFE)] = -1
 
 
 class LookupRep(msgspec.Struct, frozen=True):
@@ -150,6 +154,11 @@ class LookupRep(msgspec.Struct, frozen=True):
     lease: int             # 0 when hits == 0
     pinned_bytes: int      # bytes of every object the lease pins (the planned transfer)
     l2_promoted: int       # objects brought from L2 into L1 for this lookup
+    #: with ``resolve_rank``: the offsets and sizes (as :class:`ResolveRep`'s) of that rank's
+    #: objects the lease pins, group by group, each group's in ``chunk.rules`` position order
+    offsets: list[int] = []
+    sizes: list[int] = []
+    instance: str = ""     # with ``resolve_rank``: the server's (HelloRep.instance): whose pool
 
 
 class ResolveReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -52,7 +52,7 @@ COUNTERS = (
     "lookups", "lookup_chunks", "lookup_hit_chunks", "lookup_hit_objects", "l1_hit_objects",
     "l2_hit_objects", "lookup_promotion_timeouts", "leases_created", "leases_released",
     "leases_expired", "lease_pinned_bytes", "lease_resolved_bytes", "leases_partially_served",
-    "resolves", "resolved_objects", "resolved_bytes", "resolve_not_leased", "reserved_objects",
+    "resolves", "lookup_resolves", "resolved_objects", "resolved_bytes", "resolve_not_leased", "reserved_objects",
     "reserve_exists", "reserve_no_room", "committed_objects", "committed_bytes", "commit_bad_header",
     "commit_not_reserved", "commit_fenced", "aborted_objects", "l1_evictions", "l1_evicted_bytes",
     "watermark_evictions", "l1_corrupt_objects", "clients_connected", "clients_reaped",
@@ -77,8 +77,9 @@ class Session:
 
 
 class Store(LeaseOps, RemoteOps):
-    def __init__(self, cfg: ServerConfig, pool_view: memoryview, wake_fd: int):
+    def __init__(self, cfg: ServerConfig, pool_view: memoryview, wake_fd: int, instance: str = ""):
         self.cfg = cfg
+        self.instance = instance  # the server's (a lookup that resolves names it)
         self.pool = pool_view
         self.alloc = Allocator(pool_view.nbytes)
         self.objs: dict[bytes, Obj] = {}

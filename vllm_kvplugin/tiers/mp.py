@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvplugin.chunk.format import HEADER_SIZE
@@ -74,11 +74,23 @@ def _call_fresh(client, fn, *args, **kw):
         return _call(fn, *args, **kw)
 
 
+#: an engine of one rank has its lookups answer where the hit's objects are in the pool, so that
+#: its worker reads them without a resolve of its own: one round trip to the server less before
+#: a hit's first byte (False: the worker resolves them, as an engine of several ranks does)
+LOOKUP_RESOLVES = True
+
+
 @dataclass(frozen=True)
 class Lookup:
     hits: int
     lease: int
     pinned_bytes: int
+    #: (group, chunk position) -> (offset, nbytes) of the pinned objects in the pool of server
+    #: ``instance`` (:data:`LOOKUP_RESOLVES`), to be read before ``placed_until`` (monotonic: half
+    #: the lease's time after the lookup was sent); empty: the worker resolves them
+    resolved: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    instance: str = ""
+    placed_until: float = 0.0
 
 
 class ServerIndex:
@@ -118,12 +130,15 @@ class ServerIndex:
 
     def lookup(self, keys: Sequence[bytes], first: int) -> Lookup:
         """The largest hit every group can restore from the server (every rank's objects), past
-        chunk ``first``; the objects it needs are pinned under a lease."""
+        chunk ``first``; the objects it needs are pinned under a lease (and, in an engine of one
+        rank, resolved)."""
         if len(keys) <= first:
             return Lookup(0, 0, 0)
+        resolve_rank = 0 if self.world == 1 and LOOKUP_RESOLVES else -1
+        sent = time.monotonic()
         r = _call_fresh(self._client, self._client.lookup_detail, list(keys), self.needs, self.world,
-                        self.world, first, fingerprint=self.fingerprint)
-        return Lookup(r.hits, r.lease, r.pinned_bytes)
+                        self.world, first, fingerprint=self.fingerprint, resolve_rank=resolve_rank)
+        return Lookup(r.hits, r.lease, r.pinned_bytes, r.resolved, r.instance, sent + 0.5 * self._client.lease_s)
 
     @property
     def lease_s(self) -> float:
@@ -258,9 +273,29 @@ class ServerStore:
         return _call_fresh(self._client, self._client.resolve, lease, list(keys), group, self.rank, self.world,
                            timeout_s=self.step_s)
 
+    def serves(self, placed) -> bool:
+        """Whether ``placed`` (a lookup's :class:`~vllm_kvplugin.connector.metadata.Placement`) is of
+        the server instance this worker's client is connected to."""
+        return self._client.instance == placed.instance
+
+    def leased_views(self, placed):
+        """:meth:`views` of an object where the scheduler's lookup ``placed`` it.  TierTrouble when
+        this worker's client is on another server instance (that lease, and so the offset, is void
+        there).  The pool mapping of the instance that answered stays put while the object's view
+        lives, and nothing writes a pinned object, whether that server still runs or not."""
+        pool = self._pool()
+        if not self.serves(placed):
+            raise TierTrouble("server_unavailable", f"object {placed.offset}+{placed.nbytes} was placed by server "
+                                                    f"instance {placed.instance}; this worker is connected to "
+                                                    f"{self._client.instance}")
+        return self._views_in(pool, placed.offset, placed.nbytes)
+
     def views(self, offset: int, nbytes: int):
         """(header bytes view, payload uint8 tensor) of an object in the pool."""
-        pool = self._pool()
+        return self._views_in(self._pool(), offset, nbytes)
+
+    @staticmethod
+    def _views_in(pool, offset: int, nbytes: int):
         if offset < 0 or offset + nbytes > pool.numel() or nbytes <= HEADER_SIZE:
             raise TierTrouble("short_read", f"object {offset}+{nbytes} outside the pool of {pool.numel()}")
         return pool[offset:offset + HEADER_SIZE], pool[offset + HEADER_SIZE:offset + nbytes]

@@ -51,6 +51,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_kvplugin.chunk.rules import GroupNeed, Need
 from vllm_kvplugin.server import auth
 from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
@@ -413,6 +414,12 @@ class MPClient:
         return self._pools.tensor()
 
     @property
+    def instance(self) -> str | None:
+        """The server instance this client is connected to (None before its first hello):
+        offsets and leases of any other are void."""
+        return self._instance
+
+    @property
     def pool_generation(self) -> int:
         """Bumped whenever the client connects to a new server instance (offsets/leases reset)."""
         return self._generation
@@ -446,23 +453,34 @@ class MPClient:
 
     def lookup_detail(self, keys: Sequence[bytes], needs: Sequence[tuple[int, int]], ranks: int = 1,
                       world: int = 1, first: int = 0, wait_s: float | None = None,
-                      fingerprint: bytes = b"") -> LookupResult:
+                      fingerprint: bytes = b"", resolve_rank: int = -1) -> LookupResult:
         """The largest hit (in chunks) every group can restore from objects of ranks ``< ranks``,
         per group's need ``(chunk.rules.Need, window chunks)``, not counting chunks below
         ``first``; the objects that hit needs are pinned under the returned lease.  With the
-        keys' model ``fingerprint`` the server also asks its remote store, if it has one."""
+        keys' model ``fingerprint`` the server also asks its remote store, if it has one.
+        ``resolve_rank`` >= 0: the result also holds where that rank's pinned objects are
+        (``LookupResult.resolved``), as :meth:`resolve` of each group's would answer."""
         if not keys:
             return LookupResult(0, 0, 0, 0)
         blob = _key_blob(keys)
-        if not (1 <= ranks <= world <= 0xFFFF and 1 <= len(needs) <= 0xFFFF):
-            raise ValueError(f"bad lookup shape groups={len(needs)} ranks={ranks} world={world}")
+        if not (1 <= ranks <= world <= 0xFFFF and 1 <= len(needs) <= 0xFFFF and resolve_rank < ranks):
+            raise ValueError(f"bad lookup shape groups={len(needs)} ranks={ranks} world={world} "
+                             f"resolve_rank={resolve_rank}")
         wait = self.lookup_wait_s if wait_s is None else wait_s
         rep = self._call("lookup", P.LookupReq(blob, [(int(n), int(w)) for n, w in needs], ranks, world,
-                                               int(first), int(wait * 1000), bytes(fingerprint)))
+                                               int(first), int(wait * 1000), bytes(fingerprint), int(resolve_rank)))
         if not (0 <= rep.hits <= len(keys)) or (rep.hits > 0) != (rep.lease != 0) or 0 < rep.hits <= first:
             raise ServerError(P.E_INTERNAL, f"impossible lookup reply: hit {rep.hits} of "
                                             f"{len(keys)} keys from chunk {first}, lease {rep.lease}")
-        return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted)
+        resolved = {}
+        if resolve_rank >= 0 and rep.hits:
+            where = [(g, pos) for g, (n, w) in enumerate(needs) for pos in GroupNeed(Need(n), w).positions(rep.hits, first)]
+            if len(where) != len(rep.offsets) or len(rep.sizes) != len(rep.offsets) or not rep.instance:
+                raise ServerError(P.E_INTERNAL, f"lookup reply resolves {len(rep.offsets)} offsets and "
+                                                f"{len(rep.sizes)} sizes for the hit's {len(where)} objects "
+                                                f"(server instance {rep.instance!r})")
+            resolved = dict(zip(where, zip(rep.offsets, rep.sizes)))
+        return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted, resolved, rep.instance)
 
     def resolve(self, lease_id: int, keys: Sequence[bytes], group: int, rank: int,
                 world: int, timeout_s: float | None = None) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class TierUnavailable(Exception):
@@ -35,6 +35,10 @@ class LookupResult:
     lease: int           # 0 when hits == 0
     pinned_bytes: int    # bytes of the pinned objects (all groups and ranks of the hit)
     l2_promoted: int     # objects read from L2 into L1 for this lookup
+    #: with ``resolve_rank``: (group, chunk position) -> (offset, nbytes) of each of that rank's
+    #: objects the lease pins, in the pool of the server ``instance`` that answered
+    resolved: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    instance: str = ""
 
 
 @dataclass(frozen=True)
