@@ -10,8 +10,10 @@ Measured per repeat: from the start of vLLM's first ``get_num_new_matched_tokens
 worker's first ``_prefetch`` call (on a GPU, the copy's issue; the CPU engine's returns at once),
 and that first lookup call whole.  Both repeats must hit in full.  The first two pairs of a length
 are warm-up.  Results: medians per length, every sample, with the machine and versions.
+``--compare placed`` (with ``--server``): the repeats differ instead in ``mp.LOOKUP_RESOLVES``: the
+lookup answers where the objects are (``placed``), or the worker resolves them (``resolving``).
 
-    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--server] [--out FILE]
+    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--server] [--compare split|placed] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--server", action="store_true", help="hits from a cache server (in-process tier off)")
+    ap.add_argument("--compare", choices=("split", "placed"), default="split",
+                    help="what the two repeats differ in (placed: the server's lookup resolving, needs --server)")
     ap.add_argument("--out", default=None, help="default: results/lone-lookup-cpu[-server].json")
     args = ap.parse_args()
+    if args.compare == "placed" and not args.server:
+        ap.error("--compare placed needs --server")
     out = Path(args.out or HERE / "results" / f"lone-lookup-cpu{'-server' if args.server else ''}.json")
     server = None
     extra = {"chunk_size": args.chunk, "cpu_bytes": 6 << 30}
@@ -66,6 +72,7 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
     from vllm_kvplugin.connector import metadata
     from vllm_kvplugin.connector.scheduler import SchedulerSide
     from vllm_kvplugin.connector.worker import WorkerSide
+    from vllm_kvplugin.tiers import mp
 
     marks: dict[str, float] = {}
     match, prefetch = SchedulerSide.get_num_new_matched_tokens, WorkerSide._prefetch
@@ -93,14 +100,18 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
               max_num_batched_tokens=top)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     shipped = metadata.FIRST_PART_CHUNKS
+    a, b = ("split", "unsplit") if args.compare == "split" else ("placed", "resolving")
     rows = []
     for n in lengths:
-        samples: dict[str, list[tuple[float, float]]] = {"split": [], "unsplit": []}
+        samples: dict[str, list[tuple[float, float]]] = {a: [], b: []}
         for pair in range(args.pairs + WARM_UP_PAIRS):
             p = tokens(n, 7000 * n + pair)
             llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-            for mode in ("split", "unsplit") if pair % 2 else ("unsplit", "split"):
-                metadata.FIRST_PART_CHUNKS = shipped if mode == "split" else 0
+            for mode in (a, b) if pair % 2 else (b, a):
+                if args.compare == "split":
+                    metadata.FIRST_PART_CHUNKS = shipped if mode == "split" else 0
+                else:
+                    mp.LOOKUP_RESOLVES = mode == "placed"
                 marks.clear()
                 o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
                 want = (n - 1) // args.chunk * args.chunk
@@ -108,20 +119,20 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
                     raise RuntimeError(f"{mode} repeat of {n} tokens hit {o.num_cached_tokens}, not {want}")
                 if pair >= WARM_UP_PAIRS:
                     samples[mode].append((marks["prefetch"] - marks["match"], marks["match_end"] - marks["match"]))
-        metadata.FIRST_PART_CHUNKS = shipped
+        metadata.FIRST_PART_CHUNKS, mp.LOOKUP_RESOLVES = shipped, True
         row = {"prompt_tokens": n}
         for mode, got in samples.items():
             row[f"{mode}_to_first_prefetch_ms"] = round(1e3 * statistics.median(a for a, _ in got), 3)
             row[f"{mode}_lookup_call_ms"] = round(1e3 * statistics.median(b for _, b in got), 3)
             row[f"{mode}_samples_ms"] = [[round(1e3 * a, 3), round(1e3 * b, 3)] for a, b in got]
         rows.append(row)
-        print(f"{n}: to the first prefetch {row['unsplit_to_first_prefetch_ms']} ms whole prompt keyed first, "
-              f"{row['split_to_first_prefetch_ms']} ms split", flush=True)
+        print(f"{n}: to the first prefetch {row[f'{b}_to_first_prefetch_ms']} ms {b}, "
+              f"{row[f'{a}_to_first_prefetch_ms']} ms {a}", flush=True)
     import vllm_kvplugin
 
     doc = {"benchmark": "lone_lookup", "date": time.strftime("%Y-%m-%d"), **environment(),
            "model": spec.__dict__, "tier": "server" if args.server else "local", "block_size": args.block,
-           "chunk_size": args.chunk,
+           "chunk_size": args.chunk, "compare": [a, b],
            "first_part_chunks": shipped, "pairs": args.pairs, "rows": rows, "kvplugin_stats": vllm_kvplugin.stats()}
     out.parent.mkdir(parents=True, exist_ok=True)
     results_json.write(out, doc)
