@@ -6,10 +6,11 @@ the hit, or one state checkpoint at the hit).  It answers the largest hit every
 group can restore from objects of every rank, and pins exactly the objects that
 hit needs under a lease; objects only in L2 are read back first (within the
 lookup's time budget), and the hit is chosen again from what actually arrived.
-A resolve returns only objects its lease pins; a lookup may answer one rank's offsets
-itself (``resolve_rank``), as a resolve of each group's objects would.  The reported hit is a pure
-function of the request and the objects present: the server never extends it
-past the keys sent and never counts a missing, uncommitted or corrupt object.
+A resolve returns only objects its lease pins; a lookup may answer one rank's
+offsets itself (``resolve_rank``), as a resolve of each group's objects would.
+The reported hit is a pure function of the request and the objects present: the
+server never extends it past the keys sent and never counts a missing,
+uncommitted or corrupt object.
 """
 
 from __future__ import annotations
