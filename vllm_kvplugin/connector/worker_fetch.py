@@ -335,9 +335,9 @@ class FetchPath:
                 by_group.setdefault(job.group, []).append(n)
         if (by_group or placed) and self.server is None:
             raise TierTrouble("server_unavailable", "no server configured in this worker")
-        for n in placed:
-            header_t, payload_t = self.server.leased_views(jobs[n].placed)
-            views[n] = (bytes(header_t.numpy()), payload_t)
+        if placed:
+            for n, (header_t, payload_t) in zip(placed, self.server.placed_views([jobs[n].placed for n in placed])):
+                views[n] = (bytes(header_t.numpy()), payload_t)
         for g, idx in by_group.items():
             offs = self.server.resolve(jobs[idx[0]].lease, [jobs[n].key for n in idx], g)
             for n, (off, size) in zip(idx, offs):

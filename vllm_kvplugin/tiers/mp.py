@@ -278,17 +278,19 @@ class ServerStore:
         the server instance this worker's client is connected to."""
         return self._client.instance == placed.instance
 
-    def leased_views(self, placed):
-        """:meth:`views` of an object where the scheduler's lookup ``placed`` it.  TierTrouble when
-        this worker's client is on another server instance (that lease, and so the offset, is void
-        there).  The pool mapping of the instance that answered stays put while the object's view
-        lives, and nothing writes a pinned object, whether that server still runs or not."""
-        pool = self._pool()
-        if not self.serves(placed):
-            raise TierTrouble("server_unavailable", f"object {placed.offset}+{placed.nbytes} was placed by server "
-                                                    f"instance {placed.instance}; this worker is connected to "
-                                                    f"{self._client.instance}")
-        return self._views_in(pool, placed.offset, placed.nbytes)
+    def placed_views(self, placements: Sequence[Any]) -> list:
+        """:meth:`views` of objects where the scheduler's lookup placed them (``Placement``s of one
+        lookup).  TierTrouble when this worker's client is on another server instance (that lease,
+        and so the offsets, are void there).  The pool mapping of the instance that answered stays
+        put while the objects' views live, and nothing writes a pinned object, whether that server
+        still runs or not."""
+        pool = self._pool()  # (once: it is a call into the client)
+        for placed in placements:
+            if not self.serves(placed):
+                raise TierTrouble("server_unavailable", f"object {placed.offset}+{placed.nbytes} was placed by "
+                                                        f"server instance {placed.instance}; this worker is "
+                                                        f"connected to {self._client.instance}")
+        return [self._views_in(pool, p.offset, p.nbytes) for p in placements]
 
     def views(self, offset: int, nbytes: int):
         """(header bytes view, payload uint8 tensor) of an object in the pool."""
