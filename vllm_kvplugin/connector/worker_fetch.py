@@ -328,10 +328,12 @@ class FetchPath:
         """Pool views (header bytes, payload tensor) of the leased jobs: where the scheduler's
         lookup placed them, else resolved here, per group."""
         by_group: dict[int, list[int]] = {}
+        placed: list[int] = []
         now = time.monotonic()
-        placed = [n for n, job in enumerate(jobs) if job.lease and job.placed and now < job.placed.until]
         for n, job in enumerate(jobs):
-            if job.lease and n not in placed:
+            if job.lease and job.placed and now < job.placed.until:
+                placed.append(n)
+            elif job.lease:
                 by_group.setdefault(job.group, []).append(n)
         if (by_group or placed) and self.server is None:
             raise TierTrouble("server_unavailable", "no server configured in this worker")
