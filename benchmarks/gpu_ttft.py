@@ -29,7 +29,9 @@ prompts in the same order:
 
 Prefix caching is on in every mode, and vLLM's GPU prefix cache is reset before each
 measured request (but in ``vllm-apc``), so a warm request's hit can only come from the
-connector.  The first hit after start-up is measured apart (``first_hit_warm_s``).  Per prompt
+connector.  The first hit after start-up is measured apart (``first_hit_warm_s``; side by side,
+once every engine is up, one engine at a time: measured during the others' start-ups it read
+0.92-2.06x a later hit through the server, one sample each, in runs of one day).  Per prompt
 length: one unmeasured request of that length (kernel warm-up), the cold request, the same
 prompt warm (the median of 5), then 8 greedy tokens compared with the baseline's.  TTFT is the
 latency of a 1-token generation.
@@ -198,8 +200,10 @@ def run_mode(mode: str, args, lengths: list[int]) -> dict:
 
 
 def run_resident(mode: str, args, lengths: list[int]) -> None:
-    """One engine in a child (``--child MODE --resident``): the warm-up and first hit, then one
-    length per command (``N SEED``), ``first`` and ``stats``."""
+    """One engine in a child (``--child MODE --resident``): one length per command (``N SEED``),
+    ``first`` (the warm-up and the first hit after start-up, measured when asked: the parent asks
+    the engines in turn once all are up, so that no other engine's start-up -- weights, graph
+    capture, its own first hit -- runs beside it) and ``stats``."""
     import vllm_kvplugin
 
     llm, timers = _engine(mode, args, lengths, args.server, side_by_side=True)
@@ -207,10 +211,10 @@ def run_resident(mode: str, args, lengths: list[int]) -> None:
     if args.main_cpu is not None:
         pin_main_thread(args.main_cpu)
         MainThreadWatch(period_s=0.2, pinned=args.main_cpu, sample=False).__enter__()  # for the engine's life
-    first_s, first_stages = probe.first_hit(lengths[0])
 
     def handle(command: str) -> dict:
         if command == "first":
+            first_s, first_stages = probe.first_hit(lengths[0])
             return {"first_hit_warm_s": round(first_s, 4), "first_hit_stages": first_stages}
         if command == "stats":
             return {"kvplugin_stats": vllm_kvplugin.stats() if mode.startswith("kvplugin") else None}
@@ -313,7 +317,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
     t0 = time.time()
     with running(__file__, modes, args_for, out.parent / "ttft-logs", proc) as engines:
         print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-        firsts = {m: e.ask("first") for m, e in engines.items()}
+        firsts = {m: e.ask("first") for m, e in engines.items()}  # one engine at a time, the others idle
         for rnd in range(args.rounds):
             for i, n in enumerate(lengths):
                 k = (rnd + i) % len(modes)

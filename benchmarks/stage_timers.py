@@ -16,6 +16,9 @@
   ``scatter`` is the part from the device staging into the paged cache;
 * ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued);
 * ``alloc``     - staging buffers allocated by the transfer engine (host wall time);
+* ``server_lookup`` - a lookup on the cache server, on the index thread (host wall time: from the
+  match's start to it, the hand-off to that thread; its end to the fetch, the hand-off back and
+  the planning);
 * host wall time of the scheduler (``schedule``, ``update``), the connector's scheduler hooks
   (``match``, ``build_meta``), the model runner's calls (``execute_host``, ``sample_host``) and
   the worker's (``start_load``, ``load_host``, ``bind``, ``take_meta``); ``sample`` on the device;
@@ -108,6 +111,7 @@ class StageTimers:
         from vllm_kvplugin.connector import worker as wmod
         from vllm_kvplugin.connector import worker_fetch as fmod
         from vllm_kvplugin.connector.scheduler import SchedulerSide
+        from vllm_kvplugin.tiers.mp import ServerIndex
         from vllm_kvplugin.transfer.cuda import CudaTransfer
 
         self._wrap_host(EngineCore, "step", "step")
@@ -126,6 +130,7 @@ class StageTimers:
             self._wrap_host(owner, name, stage)
         self._wrap_host(wmod.WorkerSide, "_fetch", "fetch", flag="in_fetch")
         self._wrap_host(wmod.WorkerSide, "store", "store_issue")
+        self._wrap_host(ServerIndex, "lookup", "server_lookup")
         orig_start, orig_digest, timed_fetch = fmod.start_payload_checksums, CudaTransfer.digest, wmod.WorkerSide._fetch
 
         def note(sums):  # a fetch's hashes or device digests (it may start them in parts)
