@@ -14,6 +14,7 @@ from test_integrity import BLOCK, CHUNK, P, _local_flip
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
+from vllm_kvplugin.chunk.keys import chunk_keys
 
 pytestmark = pytest.mark.engine
 
@@ -151,6 +152,89 @@ def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, s
             run(8)
             assert events == [("resolve", list(range(8))), *[("read", n) for n in range(8)],
                               ("send", list(range(8)))], events
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+        finally:
+            shutdown(llm)
+
+
+def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, server, monkeypatch):
+    """The two guards on a lookup's placements (``Placement``), in an engine whose only tier is
+    the cache server, P repeated alone, unsplit, on poisoned KV:
+
+    * a placement past ``until`` (the lookup older than half a lease; made so here, a timing
+      this test cannot wait for): the worker resolves the objects itself (one resolve on the
+      server) and the hit is whole and right;
+    * a byte of chunk 3 flipped in the pool, and the server killed and restarted (same L2
+      directory) after the worker took its views and before the verdict: the hit ends before
+      chunk 3, read from the killed server's pool, and the corrupt object is not dropped on the
+      new server, whose own copy (from L2) is good; the next repeat hits in full."""
+    import dataclasses
+    import time
+
+    from test_integrity import _server_flip
+
+    from vllm_kvplugin.connector import metadata as mmod
+    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.tiers import mp
+    from vllm_kvplugin.tiers.mp_client import MPClient, TierUnavailable
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    monkeypatch.setattr(mmod, "FIRST_PART_CHUNKS", 0)
+    events: list[tuple[str, object]] = []
+    counters.STATS.reset()
+
+    def server_stats() -> dict:
+        with MPClient(server.address, client_name="test-stats") as c:
+            return c.stats()
+
+    def server_hits() -> int:
+        with MPClient(server.address, client_name="test-hits") as c:
+            keys = chunk_keys(probe.worker.fingerprint, P, CHUNK)
+            r = c.lookup_detail(keys, [(0, 0)])  # the prefix of the one group
+            c.release(r.lease)
+            return r.hits
+
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+            run = functools.partial(_repeat, llm, probe, events, want)
+            before = server_stats()["resolves"]
+            run(8)  # placed: no resolve from the worker
+            assert server_stats()["resolves"] == before
+
+            lookup = mp.ServerIndex.lookup
+            monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, keys, first: dataclasses.replace(
+                lookup(ix, keys, first), placed_until=time.monotonic() - 1.0))
+            run(8)
+            assert server_stats()["resolves"] == before + 1
+            monkeypatch.setattr(mp.ServerIndex, "lookup", lookup)
+
+            flip, client = _server_flip(probe, P, server.address)
+            resolve = wmod.WorkerSide._resolve_remote
+
+            def resolve_then_restart(ws, jobs, views):
+                resolve(ws, jobs, views)
+                assert all(j.placed is not None for j in jobs if j.lease)
+                monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", resolve)
+                server.kill9()
+                server.start()
+                with pytest.raises(TierUnavailable):  # the worker's client meets the new instance
+                    ws.server._client.stats()
+                assert server_hits() == 8  # the new server's copies, from L2
+
+            try:
+                flip()
+            finally:
+                client.close()
+            monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", resolve_then_restart)
+            run(3)
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {"checksum": 1}, s
+            assert server_stats()["dropped_reported_corrupt"] == 0  # not dropped on the new server
+            run(8)
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
         finally:
             shutdown(llm)
