@@ -12,8 +12,10 @@ and that first lookup call whole.  Both repeats must hit in full.  The first two
 are warm-up.  Results: medians per length, every sample, with the machine and versions.
 ``--compare placed`` (with ``--server``): the repeats differ instead in ``mp.LOOKUP_RESOLVES``: the
 lookup answers where the objects are (``placed``), or the worker resolves them (``resolving``).
+``--compare here`` (with ``--server``): in ``scheduler_lone.LOOKUP_HERE``: the lookup runs on vLLM's
+thread (``here``) or on the index's (``threaded``).
 
-    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--server] [--compare split|placed] [--out FILE]
+    python benchmarks/lone_lookup.py [--lengths 8193,16385] [--pairs 20] [--server] [--compare split|placed|here] [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--server", action="store_true", help="hits from a cache server (in-process tier off)")
-    ap.add_argument("--compare", choices=("split", "placed"), default="split",
-                    help="what the two repeats differ in (placed: the server's lookup resolving, needs --server)")
+    ap.add_argument("--compare", choices=("split", "placed", "here"), default="split",
+                    help="what the two repeats differ in (placed: the server's lookup resolving; here: it "
+                         "running on vLLM's thread; both need --server)")
     ap.add_argument("--out", default=None, help="default: results/lone-lookup-cpu[-server].json")
     args = ap.parse_args()
-    if args.compare == "placed" and not args.server:
-        ap.error("--compare placed needs --server")
+    if args.compare != "split" and not args.server:
+        ap.error(f"--compare {args.compare} needs --server")
     out = Path(args.out or HERE / "results" / f"lone-lookup-cpu{'-server' if args.server else ''}.json")
     server = None
     extra = {"chunk_size": args.chunk, "cpu_bytes": 6 << 30}
@@ -70,6 +73,7 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
 
     from vllm_kvplugin import tiny_model
     from vllm_kvplugin.connector import metadata
+    from vllm_kvplugin.connector import scheduler_lone as lone
     from vllm_kvplugin.connector.scheduler import SchedulerSide
     from vllm_kvplugin.connector.worker import WorkerSide
     from vllm_kvplugin.tiers import mp
@@ -100,7 +104,7 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
               max_num_batched_tokens=top)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     shipped = metadata.FIRST_PART_CHUNKS
-    a, b = ("split", "unsplit") if args.compare == "split" else ("placed", "resolving")
+    a, b = {"split": ("split", "unsplit"), "placed": ("placed", "resolving"), "here": ("here", "threaded")}[args.compare]
     rows = []
     for n in lengths:
         samples: dict[str, list[tuple[float, float]]] = {a: [], b: []}
@@ -110,8 +114,10 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
             for mode in (a, b) if pair % 2 else (b, a):
                 if args.compare == "split":
                     metadata.FIRST_PART_CHUNKS = shipped if mode == "split" else 0
-                else:
+                elif args.compare == "placed":
                     mp.LOOKUP_RESOLVES = mode == "placed"
+                else:
+                    lone.LOOKUP_HERE = mode == "here"
                 marks.clear()
                 o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
                 want = (n - 1) // args.chunk * args.chunk
@@ -119,7 +125,7 @@ def _run(args, lengths: list[int], extra: dict, out: Path) -> int:
                     raise RuntimeError(f"{mode} repeat of {n} tokens hit {o.num_cached_tokens}, not {want}")
                 if pair >= WARM_UP_PAIRS:
                     samples[mode].append((marks["prefetch"] - marks["match"], marks["match_end"] - marks["match"]))
-        metadata.FIRST_PART_CHUNKS, mp.LOOKUP_RESOLVES = shipped, True
+        metadata.FIRST_PART_CHUNKS, mp.LOOKUP_RESOLVES, lone.LOOKUP_HERE = shipped, True, True
         row = {"prompt_tokens": n}
         for mode, got in samples.items():
             row[f"{mode}_to_first_prefetch_ms"] = round(1e3 * statistics.median(a for a, _ in got), 3)

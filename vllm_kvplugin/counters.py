@@ -11,7 +11,9 @@ and worker in one process never reports a counter twice:
   tier objects that failed verification, dropped at once), ``lone_fetches`` and
   ``lone_fetch_wait_s`` (hits fetched and verified during their lookup, the engine
   running nothing else, and the seconds the lookups waited for them), ``split_fetches`` (of
-  those, hits whose first chunks were read and sent before the rest were keyed), and for the cache server
+  those, hits whose first chunks were read and sent before the rest were keyed),
+  ``lone_server_lookups`` (lookups of such requests answered by the cache server on vLLM's
+  thread instead of the index's), and for the cache server
   the hit accounting against the transfer accounting: ``server_planned_bytes``
   (objects the plans read) vs ``server_served_bytes`` (what the server says
   the workers resolved), with ``server_bytes_mismatches`` counting leases
@@ -39,7 +41,7 @@ from typing import Any
 SCHEDULER_FIELDS = (
     "lookup_requests", "lookup_tokens", "hit_tokens", "server_hit_tokens", "planned_load_tokens",
     "planned_load_bytes", "evicted_bytes", "store_skipped_chunks", "server_lookup_errors", "fetch_timeouts",
-    "dropped_objects", "lone_fetches", "lone_fetch_wait_s", "split_fetches",
+    "dropped_objects", "lone_fetches", "lone_fetch_wait_s", "split_fetches", "lone_server_lookups",
     "server_planned_bytes", "server_served_bytes", "server_bytes_mismatches",
 )
 WORKER_FIELDS = (

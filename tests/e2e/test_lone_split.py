@@ -206,8 +206,8 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
             assert server_stats()["resolves"] == before
 
             lookup = mp.ServerIndex.lookup
-            monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, keys, first: dataclasses.replace(
-                lookup(ix, keys, first), placed_until=time.monotonic() - 1.0))
+            monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, *a, **k: dataclasses.replace(
+                lookup(ix, *a, **k), placed_until=time.monotonic() - 1.0))
             run(8)
             assert server_stats()["resolves"] == before + 1
             monkeypatch.setattr(mp.ServerIndex, "lookup", lookup)

@@ -174,8 +174,8 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                 else:
                     orig = mp.ServerIndex.lookup
 
-                    def lookup_then_fault(self, keys, first):
-                        found = orig(self, keys, first)
+                    def lookup_then_fault(self, keys, first, *a, **k):
+                        found = orig(self, keys, first, *a, **k)
                         if found.hits:
                             monkeypatch.undo()
                             assert bool(found.resolved) == (when != "stopped-during-load")
@@ -381,25 +381,31 @@ def test_server_objects_beyond_the_staging_room_are_not_stored(qwen3_model, serv
 
 
 @pytest.mark.newest_lane
-@pytest.mark.parametrize("grace_s,lone_s", [(5.0, 0.0), (0.0, 5.0), (0.0, 0.0)])
-def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, server, monkeypatch, grace_s, lone_s):
-    """The scheduler waits briefly for the server's answer to a lookup it sends (the GIL
-    released), so a hit on the server is fetched in the very step that looks it up rather than
-    a step later: any request within the step's grace, a request alone in the engine (this
-    repeat) up to ``LONE_LOOKUP_WAIT_S``.  With either long enough for any answer here the
-    repeat's fetch is the first step's; with neither, the old behaviour (held back a step at
-    least) -- so the waits are what make the difference.  Full hits and right outputs on
-    poisoned KV every way."""
+@pytest.mark.parametrize("grace_s,lone_s,here", [(5.0, 0.0, False), (0.0, 5.0, False), (0.0, 0.0, False),
+                                                  (0.0, 0.0, True)])
+def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, server, monkeypatch, grace_s, lone_s,
+                                                              here):
+    """The scheduler waits briefly for the server's answer to a lookup it sends to the index's
+    thread (the GIL released), so a hit on the server is fetched in the very step that looks it
+    up rather than a step later: any request within the step's grace, a request alone in the
+    engine (this repeat) up to ``LONE_LOOKUP_WAIT_S``.  With either long enough for any answer
+    here the repeat's fetch is the first step's; with neither, the old behaviour (held back a
+    step at least) -- so the waits are what make the difference.  ``here``: the lone request's
+    lookup runs on vLLM's thread (``LOOKUP_HERE``), answered in that step with no wait.  Full
+    hits and right outputs on poisoned KV every way."""
     from test_integrity import CHUNK, P
     from test_verdict_timing import _watch_verdicts
 
     from vllm_kvplugin.chunk.format import payload_checksum
     from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.connector import scheduler_lone as slmod
 
     monkeypatch.setattr(smod, "LOOKUP_GRACE_S", grace_s)
     monkeypatch.setattr(smod, "LONE_LOOKUP_WAIT_S", lone_s)
+    monkeypatch.setattr(slmod, "LOOKUP_HERE", here)
     want = _baseline(qwen3_model, 32, [[P]], budget=CHUNK)[0]
     events = _watch_verdicts(monkeypatch, payload_checksum)
+    counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
                      budget=CHUNK)
@@ -410,8 +416,9 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
             events.clear()
             warm = generate(llm, [P])[0]
             before_fetch = events[:events.index(("fetch", 0))]
-            assert (before_fetch == []) if grace_s or lone_s else (len(before_fetch) >= 1), events
+            assert (before_fetch == []) if grace_s or lone_s or here else (len(before_fetch) >= 1), events
             assert warm.token_ids == want and warm.num_cached_tokens == (len(P) - 1) // CHUNK * CHUNK
+            assert vllm_kvplugin.stats()["lone_server_lookups"] == int(here)
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
             shutdown(llm)
@@ -427,8 +434,10 @@ def test_a_lookup_answered_after_vllm_computed_less_is_asked_again(qwen3_model, 
     from concurrent.futures import Future
 
     from vllm_kvplugin.connector import scheduler as smod
+    from vllm_kvplugin.connector import scheduler_lone as slmod
     from vllm_kvplugin.tiers.mp import ServerIndex
 
+    monkeypatch.setattr(slmod, "LOOKUP_HERE", False)  # (a late answer: the index's thread's)
     p = prompt(6 * CHUNK + 3, seed=880)
     llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address})
     try:
@@ -484,9 +493,9 @@ def test_a_miss_answer_stands_while_vllm_asks_again(qwen3_model, server, monkeyp
     asks, sent = Counter(), []
     lookup, match = ServerIndex.lookup, smod.SchedulerSide.get_num_new_matched_tokens
 
-    def counted_lookup(self, keys, first):
+    def counted_lookup(self, keys, first, *a, **k):
         sent.append(first)
-        return lookup(self, keys, first)
+        return lookup(self, keys, first, *a, **k)
 
     def counted_match(self, request, num_computed):
         got = match(self, request, num_computed)
@@ -533,7 +542,7 @@ def test_a_preempted_request_is_looked_up_afresh(qwen3_model, server, monkeypatc
     finally:
         shutdown(llm)
     sent, resumed = Counter(), Counter()
-    lookup, match = ServerIndex.lookup_async, smod.SchedulerSide.get_num_new_matched_tokens
+    lookup, match = ServerIndex.lookup, smod.SchedulerSide.get_num_new_matched_tokens
 
     def counted_match(self, request, num_computed):
         if request.request_id in self._started:
@@ -543,11 +552,11 @@ def test_a_preempted_request_is_looked_up_afresh(qwen3_model, server, monkeypatc
     monkeypatch.setattr(smod.SchedulerSide, "get_num_new_matched_tokens", counted_match)
     llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address}, **sched)
     try:
-        def counted_lookup(self, keys, first):
+        def counted_lookup(self, keys, first, *a, **k):  # (on the index's thread or vLLM's)
             sent[keys[0]] += 1
-            return lookup(self, keys, first)
+            return lookup(self, keys, first, *a, **k)
 
-        monkeypatch.setattr(ServerIndex, "lookup_async", counted_lookup)
+        monkeypatch.setattr(ServerIndex, "lookup", counted_lookup)
         before = vllm_kvplugin.stats()
         outs = generate(llm, prompts, max_tokens=3 * CHUNK)
         after = vllm_kvplugin.stats()

@@ -580,3 +580,34 @@ def test_restart_under_a_connected_client(server_factory):
         assert c.commit(oids, offs) == [False, False, False]
         assert all(store(c, oids, NB))
         assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 3
+
+
+def test_a_lookup_whose_wait_ran_out_says_how_many_objects_are_still_coming(server_factory, short_tmp):
+    """``LookupRep.promoting``: a lookup answered before the objects it brings back from L2 are
+    in L1 (no wait at all) says how many are still on their way, and its hit holds only what is
+    ready; asked again with a wait, the hit is whole and nothing is on its way (that lookup waits
+    for the reads the first one started: it used to end its hit before them at once); a lookup
+    of what L1 holds says 0.  (A lone request's lookup on vLLM's thread relies on it: a hit
+    still coming is asked again on the index's thread, with the client's wait.)"""
+    l2 = os.path.join(short_tmp, "l2")
+    srv = server_factory("--l1-bytes", "256MiB", "--l2-dir", l2)
+    nb = 1 << 20  # 64 files of 1 MiB: their reads outlast a wait of 0 s
+    keys = keys_for(21, 64)
+    c = MPClient(srv.address, timeout_s=5.0, client_name="engine")
+    assert all(store(c, oids_for(keys, 1, 1, 1), nb))
+    wait_for(lambda: _l2_settled(c, 64))
+    r = c.lookup_detail(keys, [(0, 0)], wait_s=0.0)
+    assert (r.hits, r.promoting) == (64, 0)  # all in L1
+    c.release(r.lease)
+    srv.kill9()
+    srv.start()
+    wait_for(lambda: _try(lambda: c.stats()), timeout=10)
+    assert c.stats()["objects"] == 0
+    r = c.lookup_detail(keys, [(0, 0)], wait_s=0.0, resolve_rank=0)
+    assert 0 < r.promoting <= 64 and r.hits < 64, r
+    assert len(r.resolved) == r.hits  # the hit is what was ready, placed as ever
+    if r.lease:
+        c.release(r.lease)
+    r = c.lookup_detail(keys, [(0, 0)], wait_s=5.0)
+    assert (r.hits, r.promoting) == (64, 0), r
+    c.release(r.lease)

@@ -260,9 +260,12 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         local_end = plan.end // C if plan else 0
         if self.server is not None and local_end < max_hit and not self._miss_stands(tr, num_computed, local_end):
             if tr.server_lookup is None:
-                tr.server_lookup = self.server.lookup_async(tr.keys[:max_hit], num_computed // C)
-                tr.server_lookup_first = num_computed // C
-                self._await_briefly(tr.server_lookup, tr.req_id)
+                first = num_computed // C
+                tr.server_lookup = (self._lookup_here(tr.req_id, tr.keys[:max_hit], first)
+                                    or self.server.lookup_async(tr.keys[:max_hit], first))
+                tr.server_lookup_first = first
+                if not tr.server_lookup.done():
+                    self._await_briefly(tr.server_lookup, tr.req_id)
             if not tr.server_lookup.done():
                 return _ASKING
             future, tr.server_lookup = tr.server_lookup, None

@@ -150,7 +150,12 @@ class LeaseOps:
         p.pinned[e.oid] = e
 
     def _promote_for(self, p: PendingLookup, e) -> bool:
-        """Start reading ``e`` back from L2 for ``p`` if it is only there; False if L1 has no room."""
+        """Start reading ``e`` back from L2 for ``p`` if it is only there; False if L1 has no room.
+        One already on its way into L1 (another lookup's promotion, a remote get) is waited for
+        too: otherwise ``p`` would end its hit before it at once."""
+        if e.state == PROMOTING:
+            p.waiting.add(e.oid)
+            return True
         if e.state != L2ONLY:
             return True
         bsize = block_size_for(e.nbytes)
@@ -175,6 +180,7 @@ class LeaseOps:
     def _make_lease(self, p: PendingLookup, now: float) -> LookupRep:
         """Choose the hit again from the pinned objects that are READY; lease those it needs."""
         ready = {oid for oid, e in p.pinned.items() if e.state == READY and not e.doomed}
+        promoting = len(p.waiting) + int(p.probing)
         sfx = [[oid_suffix(g, r, p.world) for r in range(p.ranks)] for g in range(len(p.needs))]
         keys = p.keys
 
@@ -190,7 +196,7 @@ class LeaseOps:
                 self._unpin(e)
         self.stats["lookup_hit_chunks"] += hit
         if hit == 0:
-            return LookupRep(0, 0, 0, p.promoted)
+            return LookupRep(0, 0, 0, p.promoted, promoting=promoting)
         lid = secrets.randbits(63) or 1
         while lid in self.leases:
             lid = secrets.randbits(63) or 1
@@ -204,11 +210,11 @@ class LeaseOps:
         self.stats["l2_hit_objects"] += l2_hits
         self.stats["l1_hit_objects"] += max(0, len(p.pinned) - l2_hits - p.remote_promoted)
         if p.resolve_rank < 0:
-            return LookupRep(hit, lid, nbytes, p.promoted)
+            return LookupRep(hit, lid, nbytes, p.promoted, promoting=promoting)
         mine = [[row[p.resolve_rank]] for row in sfx]  # each group's suffix, of that rank alone
         offsets, sizes = self._resolved(self.leases[lid], self._needed(keys, p.needs, p.first, hit, mine))
         self.stats["lookup_resolves"] += 1
-        return LookupRep(hit, lid, nbytes, p.promoted, offsets, sizes, self.instance)
+        return LookupRep(hit, lid, nbytes, p.promoted, offsets, sizes, self.instance, promoting)
 
     def _finish_pending(self, p: PendingLookup) -> LookupRep:
         self.pending.remove(p)

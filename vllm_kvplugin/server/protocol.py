@@ -159,6 +159,10 @@ class LookupRep(msgspec.Struct, frozen=True):
     offsets: list[int] = []
     sizes: list[int] = []
     instance: str = ""     # with ``resolve_rank``: the server's (HelloRep.instance): whose pool
+    #: objects still on their way into L1 (from L2 or the remote store, +1 while the remote
+    #: store's answer is) when the wait ran out: asked again with a longer wait, the hit may be
+    #: longer (0 from servers before this field)
+    promoting: int = 0
 
 
 class ResolveReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

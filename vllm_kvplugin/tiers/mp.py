@@ -91,6 +91,8 @@ class Lookup:
     resolved: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     instance: str = ""
     placed_until: float = 0.0
+    #: objects the server was still bringing into L1 when it answered (a longer wait may hit more)
+    promoting: int = 0
 
 
 class ServerIndex:
@@ -99,7 +101,9 @@ class ServerIndex:
     Nothing here may hold the scheduler's thread: a stopped or slow server would add its
     timeout to every running request's next token.  So lookups run on a thread of their own
     (:meth:`lookup_async`: the caller polls the future, vLLM holds the request back
-    meanwhile) and releases are sent from it without waiting (:meth:`release_async`).
+    meanwhile) and releases are sent from it without waiting (:meth:`release_async`).  The one
+    exception, :meth:`lookup_now`, is bounded by its caller (a request alone in the engine,
+    whom nobody waits behind).
     """
 
     def __init__(self, cfg: KVPluginConfig, needs: Sequence[GroupNeed], world: int, name: str,
@@ -128,17 +132,38 @@ class ServerIndex:
         if lease:
             self._calls.submit(run)
 
-    def lookup(self, keys: Sequence[bytes], first: int) -> Lookup:
+    def lookup_now(self, keys: Sequence[bytes], first: int, timeout_s: float, wait_s: float) -> Future | None:
+        """:meth:`lookup` on the caller's thread, no hand-off to the index's and back, when the
+        client is connected (a first call may connect: that is the index thread's); None
+        otherwise.  A call the index's thread is making (a release) is waited for, within
+        ``timeout_s``, which bounds the whole call (a lookup that outlasts it is not answered
+        here, and later calls do not back off for it); the server waits at most ``wait_s`` for
+        objects it brings into L1 (``Lookup.promoting``: those still on their way).  Returns a
+        done future, as :meth:`lookup_async` would become."""
+        if not self._client.ready:
+            return None
+        done: Future = Future()
+        try:
+            done.set_result(self.lookup(keys, first, timeout_s, wait_s, backoff=False))
+        except TierTrouble as e:
+            done.set_exception(e)
+        return done
+
+    def lookup(self, keys: Sequence[bytes], first: int, timeout_s: float | None = None,
+               wait_s: float | None = None, backoff: bool = True) -> Lookup:
         """The largest hit every group can restore from the server (every rank's objects), past
         chunk ``first``; the objects it needs are pinned under a lease (and, in an engine of one
-        rank, resolved)."""
+        rank, resolved).  ``timeout_s``, ``wait_s``, ``backoff``: see ``MPClient.lookup_detail``
+        (default: the client's)."""
         if len(keys) <= first:
             return Lookup(0, 0, 0)
         resolve_rank = 0 if self.world == 1 and LOOKUP_RESOLVES else -1
         sent = time.monotonic()
         r = _call_fresh(self._client, self._client.lookup_detail, list(keys), self.needs, self.world,
-                        self.world, first, fingerprint=self.fingerprint, resolve_rank=resolve_rank)
-        return Lookup(r.hits, r.lease, r.pinned_bytes, r.resolved, r.instance, sent + 0.5 * self._client.lease_s)
+                        self.world, first, wait_s, fingerprint=self.fingerprint, resolve_rank=resolve_rank,
+                        timeout_s=timeout_s, backoff=backoff)
+        return Lookup(r.hits, r.lease, r.pinned_bytes, r.resolved, r.instance, sent + 0.5 * self._client.lease_s,
+                      r.promoting)
 
     @property
     def lease_s(self) -> float:

@@ -250,8 +250,10 @@ class MPClient:
     def before_unmap(self, fn) -> None:
         self._pools.before_unmap = fn
 
-    def _exchange(self, op: str, body: msgspec.Struct, deadline: float):
-        """One request/reply on the current socket; TierUnavailable on timeout or a dead socket."""
+    def _exchange(self, op: str, body: msgspec.Struct, deadline: float, backoff: bool = True):
+        """One request/reply on the current socket; TierUnavailable on timeout or a dead socket.
+        ``backoff`` False: a call that only got no answer in time leaves later calls free to go
+        (the caller bounded it below the server's normal answer time on purpose)."""
         sock = self._sock
         assert sock is not None
         self._req_id += 1
@@ -289,7 +291,7 @@ class MPClient:
         except _NoReply:
             if self._hello is None:  # (a hello or its proof: no session to keep)
                 self._disconnect(backoff=True)
-            else:  # the session stays (heartbeats go on); calls back off meanwhile
+            elif backoff:  # the session stays (heartbeats go on); calls back off meanwhile
                 self._down_until = time.monotonic() + self.retry_s
             raise
         except TierUnavailable:
@@ -308,7 +310,7 @@ class MPClient:
             if sock.poll(int(left * 1000) + 1, event):
                 return True
 
-    def _call(self, op: str, body: msgspec.Struct, timeout_s: float | None = None):
+    def _call(self, op: str, body: msgspec.Struct, timeout_s: float | None = None, backoff: bool = True):
         if self._closed:
             raise TierUnavailable("client is closed")
         self._check_fork()
@@ -335,7 +337,7 @@ class MPClient:
             if op == "hello":
                 return self._hello
             try:
-                rep = self._exchange(op, body, deadline)
+                rep = self._exchange(op, body, deadline, backoff)
             except _SessionLost:
                 # the server forgot us (reaped, or restarted and our socket reconnected): say
                 # hello again and retry once; whatever state the request names (a lease, a
@@ -346,7 +348,7 @@ class MPClient:
                     if op == "hello":
                         return self._hello
                     self._raise_if_restarted(changed, op)
-                    rep = self._exchange(op, body, deadline)
+                    rep = self._exchange(op, body, deadline, backoff)
                 except _SessionLost as exc:
                     self._disconnect(backoff=True)
                     raise TierUnavailable(f"cache server {self.address} keeps refusing this "
@@ -414,6 +416,13 @@ class MPClient:
         return self._pools.tensor()
 
     @property
+    def ready(self) -> bool:
+        """Whether a call would go straight to the server: connected, with a session, in this
+        process, not backing off (no I/O; another thread may be mid-call)."""
+        return (not self._closed and self._sock is not None and self._hello is not None
+                and os.getpid() == self._pid and time.monotonic() >= self._down_until)
+
+    @property
     def instance(self) -> str | None:
         """The server instance this client is connected to (None before its first hello):
         offsets and leases of any other are void."""
@@ -453,13 +462,16 @@ class MPClient:
 
     def lookup_detail(self, keys: Sequence[bytes], needs: Sequence[tuple[int, int]], ranks: int = 1,
                       world: int = 1, first: int = 0, wait_s: float | None = None,
-                      fingerprint: bytes = b"", resolve_rank: int = -1) -> LookupResult:
+                      fingerprint: bytes = b"", resolve_rank: int = -1, timeout_s: float | None = None,
+                      backoff: bool = True) -> LookupResult:
         """The largest hit (in chunks) every group can restore from objects of ranks ``< ranks``,
         per group's need ``(chunk.rules.Need, window chunks)``, not counting chunks below
         ``first``; the objects that hit needs are pinned under the returned lease.  With the
         keys' model ``fingerprint`` the server also asks its remote store, if it has one.
         ``resolve_rank`` >= 0: the result also holds where that rank's pinned objects are
-        (``LookupResult.resolved``), as :meth:`resolve` of each group's would answer."""
+        (``LookupResult.resolved``), as :meth:`resolve` of each group's would answer.
+        ``wait_s``: how long the server may wait for objects it brings into L1 (L2, the remote
+        store); ``timeout_s`` and ``backoff``: as for any call (see ``_exchange``)."""
         if not keys:
             return LookupResult(0, 0, 0, 0)
         blob = _key_blob(keys)
@@ -468,7 +480,8 @@ class MPClient:
                              f"resolve_rank={resolve_rank}")
         wait = self.lookup_wait_s if wait_s is None else wait_s
         rep = self._call("lookup", P.LookupReq(blob, [(int(n), int(w)) for n, w in needs], ranks, world,
-                                               int(first), int(wait * 1000), bytes(fingerprint), int(resolve_rank)))
+                                               int(first), int(wait * 1000), bytes(fingerprint), int(resolve_rank)),
+                         timeout_s, backoff)
         if not (0 <= rep.hits <= len(keys)) or (rep.hits > 0) != (rep.lease != 0) or 0 < rep.hits <= first:
             raise ServerError(P.E_INTERNAL, f"impossible lookup reply: hit {rep.hits} of "
                                             f"{len(keys)} keys from chunk {first}, lease {rep.lease}")
@@ -480,7 +493,8 @@ class MPClient:
                                                 f"{len(rep.sizes)} sizes for the hit's {len(where)} objects "
                                                 f"(server instance {rep.instance!r})")
             resolved = dict(zip(where, zip(rep.offsets, rep.sizes)))
-        return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted, resolved, rep.instance)
+        return LookupResult(rep.hits, rep.lease, rep.pinned_bytes, rep.l2_promoted, resolved, rep.instance,
+                            rep.promoting)
 
     def resolve(self, lease_id: int, keys: Sequence[bytes], group: int, rank: int,
                 world: int, timeout_s: float | None = None) -> list[tuple[int, int]]:

@@ -39,6 +39,8 @@ class LookupResult:
     #: objects the lease pins, in the pool of the server ``instance`` that answered
     resolved: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     instance: str = ""
+    #: objects still on their way into L1 when the server's wait ran out (``LookupRep.promoting``)
+    promoting: int = 0
 
 
 @dataclass(frozen=True)
