@@ -238,3 +238,56 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
         finally:
             shutdown(llm)
+
+
+def test_a_lone_lookup_here_that_finds_objects_still_coming_is_asked_again_on_the_index_thread(
+        qwen3_model, server, monkeypatch):
+    """A lone request's lookup runs on vLLM's thread (``LOOKUP_HERE``), its server wait short
+    (``LOOKUP_HERE_PROMOTION_WAIT_S``).  An answer saying objects were still on their way into
+    the server's L1 (``promoting``; made so here on a real answer, a timing this test cannot
+    cause for sure) is not planned: its lease is released and the index's thread asks again with
+    the client's wait -- the hit whole, the output right on poisoned KV.  Without it, the
+    repeat's lookup is one of vLLM's thread (``lone_server_lookups``)."""
+    import dataclasses
+    from concurrent.futures import Future
+
+    from vllm_kvplugin.tiers import mp
+    from vllm_kvplugin.tiers.mp_client import MPClient
+
+    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
+    counters.STATS.reset()
+
+    def server_stats() -> dict:
+        with MPClient(server.address, client_name="test-stats") as c:
+            return c.stats()
+
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
+                     budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+            run = functools.partial(_repeat, llm, probe, [], want)
+            run(8)
+            assert vllm_kvplugin.stats()["lone_server_lookups"] == 1
+
+            now = mp.ServerIndex.lookup_now
+
+            def still_coming(ix, *a, **k):
+                done = now(ix, *a, **k)
+                if done is None or done.exception() is not None:
+                    return done
+                said = Future()
+                said.set_result(dataclasses.replace(done.result(), promoting=1))
+                return said
+
+            monkeypatch.setattr(mp.ServerIndex, "lookup_now", still_coming)
+            before = server_stats()
+            run(8)
+            after = server_stats()
+            assert vllm_kvplugin.stats()["lone_server_lookups"] == 1  # not planned from that answer
+            assert after["lookups"] - before["lookups"] == 2  # asked again
+            assert after["leases_created"] - before["leases_created"] == 2
+            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+        finally:
+            shutdown(llm)
