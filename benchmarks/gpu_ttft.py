@@ -25,6 +25,8 @@ prompts in the same order:
 * ``kvplugin-load-in-step`` - ``kvplugin`` whose lone hits are loaded from the step's metadata
   (``start_load_kv``), as before ``scheduler_lone.LOAD_AT_ALLOCATION`` (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
+* ``kvplugin-server-threaded`` - ``kvplugin-server`` whose lone requests' lookups go to the index's
+  thread, as before ``scheduler_lone.LOOKUP_HERE`` (not in the default set);
 * ``vllm-offloading`` - vLLM's own ``OffloadingConnector`` (CPU offloading, ``cpu_bytes_to_use``).
 
 Prefix caching is on in every mode, and vLLM's GPU prefix cache is reset before each
@@ -153,6 +155,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-server-resolving":  # the worker resolves a hit's objects, as with several ranks
         from vllm_kvplugin.tiers import mp
         mp.LOOKUP_RESOLVES = False
+    if mode == "kvplugin-server-threaded":  # a lone request's server lookup on the index's thread
+        from vllm_kvplugin.connector import scheduler_lone
+        scheduler_lone.LOOKUP_HERE = False
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
         from vllm_kvplugin.connector import metadata
         metadata.FIRST_PART_CHUNKS = 0
@@ -377,6 +382,8 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, 
         for name, (a, b) in {"server_vs_inprocess_above_own_hit": ("kvplugin-server", "kvplugin"),
                              "server_resolving_over_server_above_own_hit": ("kvplugin-server-resolving",
                                                                             "kvplugin-server"),
+                             "server_threaded_over_server_above_own_hit": ("kvplugin-server-threaded",
+                                                                           "kvplugin-server"),
                              "vllm_offloading_over_kvplugin_above_own_hit": ("vllm-offloading", "kvplugin")}.items():
             if a in above and b in above:
                 each = [x / y for x, y in zip(above[a], above[b])]
