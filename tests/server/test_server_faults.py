@@ -593,21 +593,21 @@ def test_a_lookup_whose_wait_ran_out_says_how_many_objects_are_still_coming(serv
     srv = server_factory("--l1-bytes", "256MiB", "--l2-dir", l2)
     nb = 1 << 20  # 64 files of 1 MiB: their reads outlast a wait of 0 s
     keys = keys_for(21, 64)
-    c = MPClient(srv.address, timeout_s=5.0, client_name="engine")
-    assert all(store(c, oids_for(keys, 1, 1, 1), nb))
-    wait_for(lambda: _l2_settled(c, 64))
-    r = c.lookup_detail(keys, [(0, 0)], wait_s=0.0)
-    assert (r.hits, r.promoting) == (64, 0)  # all in L1
-    c.release(r.lease)
-    srv.kill9()
-    srv.start()
-    wait_for(lambda: _try(lambda: c.stats()), timeout=10)
-    assert c.stats()["objects"] == 0
-    r = c.lookup_detail(keys, [(0, 0)], wait_s=0.0, resolve_rank=0)
-    assert 0 < r.promoting <= 64 and r.hits < 64, r
-    assert len(r.resolved) == r.hits  # the hit is what was ready, placed as ever
-    if r.lease:
+    with MPClient(srv.address, timeout_s=5.0, client_name="engine") as c:
+        assert all(store(c, oids_for(keys, 1, 1, 1), nb))
+        wait_for(lambda: _l2_settled(c, 64))
+        r = c.lookup_detail(keys, [(0, 0)], wait_s=0.0)
+        assert (r.hits, r.promoting) == (64, 0)  # all in L1
         c.release(r.lease)
-    r = c.lookup_detail(keys, [(0, 0)], wait_s=5.0)
-    assert (r.hits, r.promoting) == (64, 0), r
-    c.release(r.lease)
+        srv.kill9()
+        srv.start()
+        wait_for(lambda: _try(lambda: c.stats()), timeout=10)
+        assert c.stats()["objects"] == 0
+        r = c.lookup_detail(keys, [(0, 0)], wait_s=0.0, resolve_rank=0)
+        assert 0 < r.promoting <= 64 and r.hits < 64, r
+        assert len(r.resolved) == r.hits  # the hit is what was ready, placed as ever
+        if r.lease:
+            c.release(r.lease)
+        r = c.lookup_detail(keys, [(0, 0)], wait_s=5.0)
+        assert (r.hits, r.promoting) == (64, 0), r
+        c.release(r.lease)
