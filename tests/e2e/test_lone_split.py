@@ -30,6 +30,18 @@ def _repeat(llm, probe, events: list, want: list[int], hit: int) -> None:
     assert probe.worker.finisher.drain(30)
 
 
+def _server_engine(model: str, address: str):
+    """An engine whose only tier is the cache server at ``address``."""
+    return engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": address}, budget=CHUNK)
+
+
+def _server_stats(address: str) -> dict:
+    from vllm_kvplugin.tiers.mp_client import MPClient
+
+    with MPClient(address, client_name="test-stats") as c:
+        return c.stats()
+
+
 def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model, monkeypatch):
     """P's repeat, alone in the engine: the scheduler keys its first 4 chunks
     (``FIRST_PART_CHUNKS``), the worker reads them (on a GPU: starts their copy), and only then
@@ -126,8 +138,7 @@ def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, s
     second = [("resolve", [4, 5, 6, 7]), *[("read", n) for n in range(4, 8)], ("send", [4, 5, 6, 7])]
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
-                     budget=CHUNK)
+        llm = _server_engine(qwen3_model, server.address)
         try:
             assert generate(llm, [P])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
@@ -183,10 +194,6 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
     events: list[tuple[str, object]] = []
     counters.STATS.reset()
 
-    def server_stats() -> dict:
-        with MPClient(server.address, client_name="test-stats") as c:
-            return c.stats()
-
     def server_hits() -> int:
         with MPClient(server.address, client_name="test-hits") as c:
             keys = chunk_keys(probe.worker.fingerprint, P, CHUNK)
@@ -195,21 +202,20 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
             return r.hits
 
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
-                     budget=CHUNK)
+        llm = _server_engine(qwen3_model, server.address)
         try:
             assert generate(llm, [P])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
             run = functools.partial(_repeat, llm, probe, events, want)
-            before = server_stats()["resolves"]
+            before = _server_stats(server.address)["resolves"]
             run(8)  # placed: no resolve from the worker
-            assert server_stats()["resolves"] == before
+            assert _server_stats(server.address)["resolves"] == before
 
             lookup = mp.ServerIndex.lookup
             monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, *a, **k: dataclasses.replace(
                 lookup(ix, *a, **k), placed_until=time.monotonic() - 1.0))
             run(8)
-            assert server_stats()["resolves"] == before + 1
+            assert _server_stats(server.address)["resolves"] == before + 1
             monkeypatch.setattr(mp.ServerIndex, "lookup", lookup)
 
             flip, client = _server_flip(probe, P, server.address)
@@ -233,7 +239,7 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
             run(3)
             s = vllm_kvplugin.stats()
             assert s["load_failures"] == {"checksum": 1}, s
-            assert server_stats()["dropped_reported_corrupt"] == 0  # not dropped on the new server
+            assert _server_stats(server.address)["dropped_reported_corrupt"] == 0  # not dropped on the new server
             run(8)
             assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
         finally:
@@ -252,18 +258,12 @@ def test_a_lone_lookup_here_that_finds_objects_still_coming_is_asked_again_on_th
     from concurrent.futures import Future
 
     from vllm_kvplugin.tiers import mp
-    from vllm_kvplugin.tiers.mp_client import MPClient
 
     want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
     counters.STATS.reset()
 
-    def server_stats() -> dict:
-        with MPClient(server.address, client_name="test-stats") as c:
-            return c.stats()
-
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": server.address},
-                     budget=CHUNK)
+        llm = _server_engine(qwen3_model, server.address)
         try:
             assert generate(llm, [P])[0].token_ids == want
             assert probe.worker.finisher.drain(30)
@@ -282,9 +282,9 @@ def test_a_lone_lookup_here_that_finds_objects_still_coming_is_asked_again_on_th
                 return said
 
             monkeypatch.setattr(mp.ServerIndex, "lookup_now", still_coming)
-            before = server_stats()
+            before = _server_stats(server.address)
             run(8)
-            after = server_stats()
+            after = _server_stats(server.address)
             assert vllm_kvplugin.stats()["lone_server_lookups"] == 1  # not planned from that answer
             assert after["lookups"] - before["lookups"] == 2  # asked again
             assert after["leases_created"] - before["leases_created"] == 2
