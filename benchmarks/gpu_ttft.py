@@ -158,6 +158,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-server-threaded":  # a lone request's server lookup on the index's thread
         from vllm_kvplugin.connector import scheduler_lone
         scheduler_lone.LOOKUP_HERE = False
+    if mode == "kvplugin-server-nowake":  # a lone request's lookup not announced to the server
+        from vllm_kvplugin.connector import scheduler_lone
+        scheduler_lone.WAKE_SERVER = False
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
         from vllm_kvplugin.connector import metadata
         metadata.FIRST_PART_CHUNKS = 0
@@ -384,6 +387,8 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, 
                                                                             "kvplugin-server"),
                              "server_threaded_over_server_above_own_hit": ("kvplugin-server-threaded",
                                                                            "kvplugin-server"),
+                             "server_nowake_over_server_above_own_hit": ("kvplugin-server-nowake",
+                                                                         "kvplugin-server"),
                              "vllm_offloading_over_kvplugin_above_own_hit": ("vllm-offloading", "kvplugin")}.items():
             if a in above and b in above:
                 each = [x / y for x, y in zip(above[a], above[b])]

@@ -147,6 +147,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         if ids is None:
             return None
         extras = _common.request_extras(request)
+        self._wake_server(request.request_id)
         first = self._first_keys(request, ids)  # a lone request's lookup may start on its first chunks
         keys = chunk_keys(self.fingerprint, ids[:first * self.chunk_size] if first else ids, self.chunk_size,
                           extras, namespace=self.namespace)

@@ -300,6 +300,8 @@ class Server:
             raise RequestError(P.E_AUTH, "this server needs the token: auth first")
         if op == "heartbeat":
             return P.Empty()
+        if op == "wake":  # only woken: a call follows (MPClient.wake)
+            return None
         if op == "lookup":
             r = st.lookup(s, body.keys, parse_needs(body.needs), body.ranks, body.world, body.first,
                           body.wait_ms / 1000.0, ident, req_id, head, now, body.fingerprint, body.resolve_rank)

@@ -239,6 +239,7 @@ OPS: dict[str, tuple[type, type]] = {
     "hello": (HelloReq, HelloRep),
     "auth": (AuthReq, Empty),
     "heartbeat": (Empty, Empty),
+    "wake": (Empty, Empty),        # a call follows: never answered (MPClient.wake)
     "lookup": (LookupReq, LookupRep),
     "resolve": (ResolveReq, ResolveRep),
     "release": (LeaseReq, ReleaseRep),

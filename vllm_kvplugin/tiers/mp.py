@@ -132,6 +132,11 @@ class ServerIndex:
         if lease:
             self._calls.submit(run)
 
+    def wake(self) -> bool:
+        """Tell the server a lookup follows (``MPClient.wake``: no reply, no wait), so that it is
+        awake when the lookup comes; False: not sent."""
+        return self._client.wake()
+
     def lookup_now(self, keys: Sequence[bytes], first: int, timeout_s: float, wait_s: float) -> Future | None:
         """:meth:`lookup` on the caller's thread, no hand-off to the index's and back, when the
         client is connected (a first call may connect: that is the index thread's); None

@@ -275,6 +275,22 @@ class MPSession:
             self._disconnect(backoff=True)
             raise TierUnavailable(f"cache server {self.address}: {exc}") from None
 
+    def _send_only(self, op: str, body: msgspec.Struct) -> bool:
+        """Send a request that gets no reply (``wake``) when the session is up and no call is in
+        flight; never waits.  False: not sent."""
+        if not self.ready or not self._lock.acquire(timeout=0):
+            return False
+        try:
+            if self._sock is None or self._hello is None:
+                return False
+            self._req_id += 1
+            self._sock.send(P.encode_request(op, self._req_id, body), zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+        finally:
+            self._lock.release()
+
     @staticmethod
     def _wait(sock: zmq.Socket, event: int, deadline: float) -> bool:
         while True:
