@@ -41,7 +41,7 @@ def _pairs(c: MPClient, gap_s: float, busy: bool, repeats: int) -> dict[bool, li
     def one(wake: bool) -> tuple[float, float]:
         t0 = time.perf_counter()
         if wake:
-            c.wake(0.005)
+            c.wake()
         if busy:
             while time.perf_counter() - t0 < gap_s:
                 pass

@@ -391,7 +391,8 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
     engine (this repeat) up to ``LONE_LOOKUP_WAIT_S``.  With either long enough for any answer
     here the repeat's fetch is the first step's; with neither, the old behaviour (held back a
     step at least) -- so the waits are what make the difference.  ``here``: the lone request's
-    lookup runs on vLLM's thread (``LOOKUP_HERE``), answered in that step with no wait.  Full
+    lookup runs on vLLM's thread (``LOOKUP_HERE``), announced to the server before its keys
+    (``server_wakes``), answered in that step with no wait.  Full
     hits and right outputs on poisoned KV every way."""
     from test_integrity import CHUNK, P
     from test_verdict_timing import _watch_verdicts
@@ -419,6 +420,8 @@ def test_a_server_hit_is_fetched_in_the_step_that_looks_it_up(qwen3_model, serve
             assert (before_fetch == []) if grace_s or lone_s or here else (len(before_fetch) >= 1), events
             assert warm.token_ids == want and warm.num_cached_tokens == (len(P) - 1) // CHUNK * CHUNK
             assert vllm_kvplugin.stats()["lone_server_lookups"] == int(here)
+            # the repeat's lookup was announced (the first request's came before any session)
+            assert vllm_kvplugin.stats()["server_wakes"] == int(here)
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
             shutdown(llm)

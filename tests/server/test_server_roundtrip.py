@@ -8,6 +8,7 @@ import subprocess
 import textwrap
 
 import pytest
+import zmq
 from srvutil import (
     PY,
     keys_for,
@@ -283,3 +284,23 @@ def test_a_lookup_that_resolves_answers_what_resolve_would(server):
         with pytest.raises(ServerError) as ei:
             c._call("lookup", P.LookupReq(b"".join(keys), needs, 1, w, 0, 0, b"", 1))
         assert ei.value.code == "invalid"
+
+
+def test_a_wake_is_sent_only_on_a_session_and_never_answered(server):
+    """``wake`` (a lone request's lookup announced before its keys are computed) goes out only
+    when the client has a session and no call in flight, gets no reply (nothing to read before
+    the next call), and the next call gets its own answer; a closed client sends nothing."""
+    keys = keys_for(31, 8)
+    c = MPClient(server.address, client_name="waker", heartbeat=False)
+    assert c.wake() is False  # no session yet: nothing sent (a first call connects, not a wake)
+    with c:
+        assert all(store(c, oids_for(keys, 1, 1, 1), NB))
+        before = c.stats().get("op_wake", 0)
+        for _ in range(3):
+            assert c.wake() is True
+        assert c._sock.poll(200, zmq.POLLIN) == 0  # no reply to a wake
+        assert load_and_check(c, keys, 1, 1, 1, NB)[0] == 8
+        assert c.stats()["op_wake"] - before == 3
+        with c._lock:  # a call in flight: the server is awake anyway, and the socket is busy
+            assert c.wake() is False
+    assert c.wake() is False

@@ -110,7 +110,7 @@ class LoneFetch:
     def _wake_server(self, req_id: str) -> None:
         """Before a new request's keys are computed, when it is alone and its lookup will run here:
         the server is told a lookup follows (``ServerIndex.wake``).  A server woken from sleep by
-        the lookup itself answered 0.3-0.5 ms later than an awake one (``results/wake-cpu.json``)."""
+        the lookup itself answered 0.3-0.5 ms later than an awake one (``results/server-wake-cpu.json``)."""
         if WAKE_SERVER and LOOKUP_HERE and self.server is not None and self._alone(req_id) is not None:
             if self.server.wake():
                 counters.SCHEDULER.add(server_wakes=1)
