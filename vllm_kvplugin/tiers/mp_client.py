@@ -164,7 +164,7 @@ class MPClient(MPSession):
 
     def wake(self) -> bool:
         """Tell the server a call follows soon; it gets no reply and is not waited for.  A server
-        idle for 20 ms answered a lookup sent 0.3-1 ms after a wake in about half the time
+        idle for 20 ms answered a lookup sent 0.3-1 ms after a wake 0.1-0.4 ms sooner
         (``benchmarks/server_wake.py``: its threads and their cores already awake).  False: not
         sent (not connected, backing off, or a call in flight: the server is awake then anyway)."""
         return self._send_only("wake", P.Empty())
