@@ -66,7 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gaps", default="0.3,0.6,1.0", help="ms between the wake and the lookup")
     ap.add_argument("--repeats", type=int, default=150)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "wake-cpu.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "server-wake-cpu.json"))
     args = ap.parse_args()
     gaps = [float(g) for g in args.gaps.split(",")]
     rows = []
