@@ -14,6 +14,13 @@ no bytes gives every fresh prompt a hit of its whole blocks, two ways, in one en
   passed since the lookup (the copy into the allocated blocks); vLLM promotes it in a later
   step and the forward runs.
 
+* ``async-serve`` -- the same, with the engine loop of ``vllm serve`` (``EngineCoreProc``
+  sleeps 1 ms after a step that ran no model while requests remain; the in-process ``LLM``
+  used here does not, so it is added around its engine core's step);
+* ``async-serve-wait`` -- the same, and ``get_finished`` waits for a load due within 2 ms (a
+  worker that knows its copy's progress could wait for its last piece) instead of leaving it to
+  the next step after the sleep.
+
 TTFT is the wall time of a one-token ``generate`` (the KV is never written, so the token is not
 meaningful).  ``async`` saves the allocation (and, on a GPU, the scatter) after the copy and pays
 the steps between the report and the promotion.  Pairs alternate the order.  Medians per
@@ -37,6 +44,8 @@ sys.path.insert(0, str(HERE))
 #: shared by the connector's two roles (one process): the mode, the delay, the loads in flight
 STATE: dict[str, Any] = {"mode": "none", "delay_s": 0.0, "due": {}, "marks": {}}
 _LOCK = threading.Lock()
+#: ``async-serve-wait``: how long ``get_finished`` waits for a load about to land
+WAIT_S = 0.002
 #: vLLM's block size (the CPU attention backend takes multiples of 32)
 BLOCK = 32
 
@@ -89,6 +98,11 @@ def _connector_class():
 
         def get_finished(self, finished_req_ids):
             now = time.perf_counter()
+            if STATE["mode"] == "async-serve-wait" and STATE["due"]:
+                left = min(STATE["due"].values()) - now
+                if 0 < left <= WAIT_S:  # a load about to land: seen in this step, not after a 1 ms sleep
+                    time.sleep(left)
+                    now = time.perf_counter()
             with _LOCK:
                 done = {rid for rid, t in STATE["due"].items() if now >= t}
                 for rid in done:
@@ -108,6 +122,21 @@ def __getattr__(name: str):  # vLLM imports the class by name from this module (
     if not _CLASS:
         _CLASS.append(_connector_class())
     return _CLASS[0]
+
+
+def _serve_loop(llm, on) -> None:
+    """While ``on()``: sleep 1 ms after an engine step that ran no model while requests remain,
+    as ``vllm serve``'s engine loop does (``EngineCoreProc._process_engine_step``)."""
+    client = llm.llm_engine.engine_core
+    core = client.engine_core
+    step = core.step_fn
+
+    def step_fn():
+        out, executed = step()
+        if on() and not executed and core.scheduler.has_requests():
+            time.sleep(0.001)
+        return out, executed
+    core.step_fn = step_fn
 
 
 def main() -> int:
@@ -136,15 +165,17 @@ def main() -> int:
               seed=0, max_num_batched_tokens=top)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     mod = sys.modules["async_boundary"]  # vLLM's import of this file: its STATE is the connector's
+    _serve_loop(llm, lambda: mod.STATE["mode"].startswith("async-serve"))
     rows = []
     for n in lengths:
         for delay in (float(d) for d in args.delays.split(",")):
             mod.STATE["delay_s"] = delay / 1e3
-            got: dict[str, list[dict]] = {"sync": [], "async": [], "own_hit": []}
+            got: dict[str, list[dict]] = {"sync": [], "async": [], "async-serve": [], "async-serve-wait": [], "own_hit": []}
             for pair in range(args.pairs + 2):
-                for mode in ("sync", "async") if pair % 2 else ("async", "sync"):
+                modes = ["sync", "async", "async-serve", "async-serve-wait"]
+                for k, mode in enumerate(modes[pair % 4:] + modes[:pair % 4]):
                     mod.STATE["mode"], mod.STATE["marks"] = mode, {}
-                    q = tokens(n, 9000 * n + 31 * pair + int(delay) + (mode == "async"))  # fresh prompts
+                    q = tokens(n, 9000 * n + 31 * pair + int(delay) + k + 1)  # fresh prompts
                     t0 = time.perf_counter()
                     o = llm.generate([{"prompt_token_ids": q}], sp, use_tqdm=False)[0]
                     t1 = time.perf_counter()
@@ -167,6 +198,7 @@ def main() -> int:
                 row[f"{mode}_samples"] = [{k: round(v, 3) for k, v in s.items()} for s in samples]
             rows.append(row)
             print(f"{n} tokens, {delay:g} ms: sync {row['sync_ttft_ms']} ms, async {row['async_ttft_ms']} ms, "
+                  f"async-serve {row['async-serve_ttft_ms']} ms, async-serve-wait {row['async-serve-wait_ttft_ms']} ms, "
                   f"own hit {row['own_hit_ttft_ms']} ms; sync allocated at {row.get('sync_alloc_ms')}, async at "
                   f"{row.get('async_alloc_ms')}, reported at {row.get('async_reported_ms')} ms", flush=True)
     doc = {"benchmark": "async_boundary", "date": time.strftime("%Y-%m-%d"), **environment(),
