@@ -124,21 +124,6 @@ def __getattr__(name: str):  # vLLM imports the class by name from this module (
     return _CLASS[0]
 
 
-def _serve_loop(llm, on) -> None:
-    """While ``on()``: sleep 1 ms after an engine step that ran no model while requests remain,
-    as ``vllm serve``'s engine loop does (``EngineCoreProc._process_engine_step``)."""
-    client = llm.llm_engine.engine_core
-    core = client.engine_core
-    step = core.step_fn
-
-    def step_fn():
-        out, executed = step()
-        if on() and not executed and core.scheduler.has_requests():
-            time.sleep(0.001)
-        return out, executed
-    core.step_fn = step_fn
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="8193")
@@ -149,7 +134,7 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import results_json
-    from ttft_common import environment, tokens
+    from ttft_common import environment, serve_loop, tokens
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -165,7 +150,7 @@ def main() -> int:
               seed=0, max_num_batched_tokens=top)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     mod = sys.modules["async_boundary"]  # vLLM's import of this file: its STATE is the connector's
-    _serve_loop(llm, lambda: mod.STATE["mode"].startswith("async-serve"))
+    serve_loop(llm, lambda: mod.STATE["mode"].startswith("async-serve"))
     rows = []
     for n in lengths:
         for delay in (float(d) for d in args.delays.split(",")):

@@ -66,7 +66,7 @@ import results_json  # noqa: E402
 from gpu_ttft import GRAPHS, HOST_BYTES, KV_BYTES, SPEC, graph_kwargs, mode_knobs, transfer_config  # noqa: E402
 from host_cpus import MainThreadWatch, pin_main_thread, reserve_cores, speed_probe  # noqa: E402
 from side_by_side import running, serve  # noqa: E402
-from ttft_common import built_gpu_model, environment, start_server, tokens  # noqa: E402
+from ttft_common import built_gpu_model, environment, serve_loop, start_server, tokens  # noqa: E402
 
 MODES = "baseline,kvplugin,kvplugin-server"
 CASES = ("reuse_0", "reuse_80")
@@ -153,6 +153,8 @@ def run_resident(mode: str, args) -> None:
     llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=args.prompt_tokens + args.max_tokens + 16,
               kv_cache_memory_bytes=args.kv_bytes, gpu_memory_utilization=args.gpu_util,
               block_size=args.block, kv_transfer_config=ktc, seed=0, **graph_kwargs(args.graphs, args.streams))
+    if args.serve_loop:
+        serve_loop(llm)
     _batch(llm, [tokens(args.prompt_tokens, 900_000 + i) for i in range(args.streams)], args.max_tokens)
     if args.main_cpu is not None:
         pin_main_thread(args.main_cpu)
@@ -218,6 +220,7 @@ def run_side_by_side(args, modes: list[str], model: str, log_dir: Path, partial:
              "--host-bytes", str(args.host_bytes), "--kv-bytes", str(args.kv_bytes),
              "--gpu-util", str(args.gpu_util), "--gpu-staging-bytes", str(args.gpu_staging_bytes)] \
             + ["--graphs", args.graphs] + (["--timeline"] if args.timeline else []) \
+            + (["--serve-loop"] if args.serve_loop else []) \
             + (["--main-cpu", str(main_cpu[mode])] if mode in main_cpu else [])
         return a + (["--server", address] if mode == "kvplugin-server" else [])
 
@@ -341,6 +344,8 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="stage timers in every engine, and one more batch of each case with its timeline")
     ap.add_argument("--graphs", choices=GRAPHS, default="eager", help="how vLLM runs the model (gpu_ttft.graph_kwargs)")
+    ap.add_argument("--serve-loop", action="store_true",
+                    help="step as vllm serve's engine loop does (ttft_common.serve_loop)")
     ap.add_argument("--pin-main", action="store_true",
                     help="each engine's main thread on a physical core of its own (host_cpus.py)")
     ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
@@ -360,7 +365,7 @@ def main() -> int:
         "benchmark": "gpu_serving", "method": "side_by_side", "date": time.strftime("%Y-%m-%d"), **environment(),
         "model": SPEC if args.model is None else args.model, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "block_size": args.block,
-        "chunk_size": args.chunk, "rounds": args.rounds, "pin_main": args.pin_main, "graphs": args.graphs,
+        "chunk_size": args.chunk, "rounds": args.rounds, "pin_main": args.pin_main, "graphs": args.graphs, "serve_loop": args.serve_loop,
         "engines_started_s": res["engines_started_s"],
         "summary": summary, "batches": _without_outputs(res["batches"]), "kvplugin_stats": res["kvplugin_stats"],
     }

@@ -77,6 +77,7 @@ from ttft_common import (  # noqa: E402
     measure,
     print_table,
     run_modes_with_server,
+    serve_loop,
     start_server,
     summarize,
     tokens,
@@ -184,6 +185,8 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
     llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=max_len, **graph_kwargs(args.graphs, 1),
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_util, block_size=args.block,
               kv_transfer_config=ktc, seed=0, max_num_batched_tokens=args.max_batched or max_len)
+    if args.serve_loop:
+        serve_loop(llm)
     return llm, timers
 
 
@@ -312,7 +315,8 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
     def args_for(mode: str) -> list[str]:
         a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
              "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util),
-             "--max-batched", str(args.max_batched), "--graphs", args.graphs]
+             "--max-batched", str(args.max_batched), "--graphs", args.graphs] \
+            + (["--serve-loop"] if args.serve_loop else [])
         for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes)):
             if value is not None:
                 a += [flag, str(value)]
@@ -430,6 +434,9 @@ def main() -> int:
                     help="max_num_batched_tokens (default the longest prompt; side by side 16384: activations of "
                          "four engines fit beside each other)")
     ap.add_argument("--graphs", choices=GRAPHS, default="eager", help="how vLLM runs the model (graph_kwargs)")
+    ap.add_argument("--serve-loop", action="store_true",
+                    help="step as vllm serve's engine loop does: 1 ms of sleep after a step that ran no model "
+                         "(ttft_common.serve_loop)")
     ap.add_argument("--pin-main", action="store_true",
                     help="side by side: each engine's main thread on a physical core of its own (host_cpus.py)")
     ap.add_argument("--main-cpu", type=int, default=None, help=argparse.SUPPRESS)
@@ -470,7 +477,7 @@ def main() -> int:
         def child_args(mode: str) -> list[str]:
             a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
                  "--host-bytes", str(args.host_bytes), "--gpu-util", str(args.gpu_util), "--sequential",
-                 "--graphs", args.graphs]
+                 "--graphs", args.graphs] + (["--serve-loop"] if args.serve_loop else [])
             for flag, value in (("--kv-bytes", args.kv_bytes), ("--gpu-staging-bytes", args.gpu_staging_bytes),
                                 ("--max-batched", args.max_batched)):
                 if value is not None:
@@ -516,7 +523,7 @@ def main() -> int:
         "model": SPEC if built else model,
         "kv_bytes_per_token": bpt, "block_size": args.block, "chunk_size": args.chunk,
         "host_bytes": args.host_bytes, "max_num_batched_tokens": args.max_batched, "rounds": args.rounds if side else 1,
-        "pin_main": args.pin_main, "graphs": args.graphs,
+        "pin_main": args.pin_main, "graphs": args.graphs, "serve_loop": args.serve_loop,
         "summary": summary, "modes": results, "errors": errors,
     }
     results_json.write(out, doc)

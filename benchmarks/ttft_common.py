@@ -118,6 +118,23 @@ class TTFTProbe:
                 "continuation": list(ox.outputs[0].token_ids), **extra}
 
 
+def serve_loop(llm, on: Callable[[], bool] | None = None) -> None:
+    """Make an in-process ``LLM`` step as ``vllm serve``'s engine loop does: after a step that ran
+    no model while requests remain (a request parked on a connector's load or held back for a
+    verdict), ``EngineCoreProc._process_engine_step`` sleeps 1 ms; the in-process engine runs the
+    next step at once (vLLM 0.26 and 0.32 alike).  ``on``: only while it says so.  Touches vLLM's
+    engine core (``step_fn``, ``scheduler.has_requests``): a benchmark's knob, not the plugin's."""
+    core = llm.llm_engine.engine_core.engine_core
+    step = core.step_fn
+
+    def step_fn():
+        out, executed = step()
+        if (on is None or on()) and not executed and core.scheduler.has_requests():
+            time.sleep(0.001)
+        return out, executed
+    core.step_fn = step_fn
+
+
 def measure(llm, lengths: Sequence[int], reset_prefix_cache: bool = False, primer: bool = False,
             settle_s: float = 0.0, timers=None) -> list[dict]:
     """In a child: :class:`TTFTProbe`'s first hit (at the first length), then each length in turn."""
