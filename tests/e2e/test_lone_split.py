@@ -5,6 +5,7 @@ output compared with an engine without the connector's, on poisoned KV."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -30,9 +31,21 @@ def _repeat(llm, probe, events: list, want: list[int], hit: int) -> None:
     assert probe.worker.finisher.drain(30)
 
 
-def _server_engine(model: str, address: str):
-    """An engine whose only tier is the cache server at ``address``."""
-    return engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": address}, budget=CHUNK)
+@contextlib.contextmanager
+def _served(model: str, address: str, events: list):
+    """An engine whose only tier is the cache server at ``address`` (the counters reset first),
+    which has computed P and stored it there: yields ``(probe, run)``, ``run(hit)`` being
+    :func:`_repeat` against the output of an engine without the connector."""
+    want = _baseline(model, BLOCK, [[P]], budget=CHUNK)[0]
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 0, "server": address}, budget=CHUNK)
+        try:
+            assert generate(llm, [P])[0].token_ids == want
+            assert probe.worker.finisher.drain(30)
+            yield probe, functools.partial(_repeat, llm, probe, events, want)
+        finally:
+            shutdown(llm)
 
 
 def _server_stats(address: str) -> dict:
@@ -125,7 +138,6 @@ def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, s
     from vllm_kvplugin.connector import metadata as mmod
     from vllm_kvplugin.connector import worker as wmod
 
-    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
     events: list[tuple[str, object]] = []
     resolve, read, send = wmod.WorkerSide._resolve_remote, wmod.WorkerSide._object, wmod.WorkerSide._prefetch
     monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", lambda ws, jobs, views: events.append(
@@ -136,36 +148,27 @@ def test_a_lone_server_hit_is_resolved_read_and_sent_in_two_parts(qwen3_model, s
         ("send", sorted(jobs[n].position for n in found))) or send(ws, jobs, found, sent))
     first = [("resolve", [0, 1, 2, 3]), *[("read", n) for n in range(4)], ("send", [0, 1, 2, 3])]
     second = [("resolve", [4, 5, 6, 7]), *[("read", n) for n in range(4, 8)], ("send", [4, 5, 6, 7])]
-    counters.STATS.reset()
-    with Probe().installed() as probe:
-        llm = _server_engine(qwen3_model, server.address)
+    with _served(qwen3_model, server.address, events) as (probe, run):
+        run(8)
+        assert events == first + second, events
+        assert vllm_kvplugin.stats()["lone_fetches"] == 1
+        flip, client = _server_flip(probe, P, server.address)  # (which resolves one object)
         try:
-            assert generate(llm, [P])[0].token_ids == want
-            assert probe.worker.finisher.drain(30)
-            run = functools.partial(_repeat, llm, probe, events, want)
-
-            run(8)
-            assert events == first + second, events
-            assert vllm_kvplugin.stats()["lone_fetches"] == 1
-            flip, client = _server_flip(probe, P, server.address)  # (which resolves one object)
-            try:
-                st = client.stats()  # one rank: the lookup placed every object, the worker resolved none
-                assert st["resolves"] == 1 and st["lookup_resolves"] >= 1, st
-                flip()
-                run(3)
-                assert events[:len(first) + len(second)] == first + second, events
-                s = vllm_kvplugin.stats()
-                assert s["load_failures"] == {"checksum": 1}, s
-            finally:
-                client.close()
-            run(8)  # stored again where it failed
-            monkeypatch.setattr(mmod, "FIRST_PART_CHUNKS", 0)
-            run(8)
-            assert events == [("resolve", list(range(8))), *[("read", n) for n in range(8)],
-                              ("send", list(range(8)))], events
-            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+            st = client.stats()  # one rank: the lookup placed every object, the worker resolved none
+            assert st["resolves"] == 1 and st["lookup_resolves"] >= 1, st
+            flip()
+            run(3)
+            assert events[:len(first) + len(second)] == first + second, events
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {"checksum": 1}, s
         finally:
-            shutdown(llm)
+            client.close()
+        run(8)  # stored again where it failed
+        monkeypatch.setattr(mmod, "FIRST_PART_CHUNKS", 0)
+        run(8)
+        assert events == [("resolve", list(range(8))), *[("read", n) for n in range(8)],
+                          ("send", list(range(8)))], events
+        assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
 
 
 def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, server, monkeypatch):
@@ -189,10 +192,8 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
     from vllm_kvplugin.tiers import mp
     from vllm_kvplugin.tiers.mp_client import MPClient, TierUnavailable
 
-    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
     monkeypatch.setattr(mmod, "FIRST_PART_CHUNKS", 0)
     events: list[tuple[str, object]] = []
-    counters.STATS.reset()
 
     def server_hits() -> int:
         with MPClient(server.address, client_name="test-hits") as c:
@@ -201,49 +202,42 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
             c.release(r.lease)
             return r.hits
 
-    with Probe().installed() as probe:
-        llm = _server_engine(qwen3_model, server.address)
+    with _served(qwen3_model, server.address, events) as (probe, run):
+        before = _server_stats(server.address)["resolves"]
+        run(8)  # placed: no resolve from the worker
+        assert _server_stats(server.address)["resolves"] == before
+
+        lookup = mp.ServerIndex.lookup
+        monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, *a, **k: dataclasses.replace(
+            lookup(ix, *a, **k), placed_until=time.monotonic() - 1.0))
+        run(8)
+        assert _server_stats(server.address)["resolves"] == before + 1
+        monkeypatch.setattr(mp.ServerIndex, "lookup", lookup)
+
+        flip, client = _server_flip(probe, P, server.address)
+        resolve = wmod.WorkerSide._resolve_remote
+
+        def resolve_then_restart(ws, jobs, views):
+            resolve(ws, jobs, views)
+            assert all(j.placed is not None for j in jobs if j.lease)
+            monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", resolve)
+            server.kill9()
+            server.start()
+            with pytest.raises(TierUnavailable):  # the worker's client meets the new instance
+                ws.server._client.stats()
+            assert server_hits() == 8  # the new server's copies, from L2
+
         try:
-            assert generate(llm, [P])[0].token_ids == want
-            assert probe.worker.finisher.drain(30)
-            run = functools.partial(_repeat, llm, probe, events, want)
-            before = _server_stats(server.address)["resolves"]
-            run(8)  # placed: no resolve from the worker
-            assert _server_stats(server.address)["resolves"] == before
-
-            lookup = mp.ServerIndex.lookup
-            monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, *a, **k: dataclasses.replace(
-                lookup(ix, *a, **k), placed_until=time.monotonic() - 1.0))
-            run(8)
-            assert _server_stats(server.address)["resolves"] == before + 1
-            monkeypatch.setattr(mp.ServerIndex, "lookup", lookup)
-
-            flip, client = _server_flip(probe, P, server.address)
-            resolve = wmod.WorkerSide._resolve_remote
-
-            def resolve_then_restart(ws, jobs, views):
-                resolve(ws, jobs, views)
-                assert all(j.placed is not None for j in jobs if j.lease)
-                monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", resolve)
-                server.kill9()
-                server.start()
-                with pytest.raises(TierUnavailable):  # the worker's client meets the new instance
-                    ws.server._client.stats()
-                assert server_hits() == 8  # the new server's copies, from L2
-
-            try:
-                flip()
-            finally:
-                client.close()
-            monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", resolve_then_restart)
-            run(3)
-            s = vllm_kvplugin.stats()
-            assert s["load_failures"] == {"checksum": 1}, s
-            assert _server_stats(server.address)["dropped_reported_corrupt"] == 0  # not dropped on the new server
-            run(8)
-            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
+            flip()
         finally:
-            shutdown(llm)
+            client.close()
+        monkeypatch.setattr(wmod.WorkerSide, "_resolve_remote", resolve_then_restart)
+        run(3)
+        s = vllm_kvplugin.stats()
+        assert s["load_failures"] == {"checksum": 1}, s
+        assert _server_stats(server.address)["dropped_reported_corrupt"] == 0  # not dropped on the new server
+        run(8)
+        assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
 
 
 def test_a_lone_lookup_here_that_finds_objects_still_coming_is_asked_again_on_the_index_thread(
@@ -259,35 +253,25 @@ def test_a_lone_lookup_here_that_finds_objects_still_coming_is_asked_again_on_th
 
     from vllm_kvplugin.tiers import mp
 
-    want = _baseline(qwen3_model, BLOCK, [[P]], budget=CHUNK)[0]
-    counters.STATS.reset()
+    with _served(qwen3_model, server.address, []) as (probe, run):
+        run(8)
+        assert vllm_kvplugin.stats()["lone_server_lookups"] == 1
 
-    with Probe().installed() as probe:
-        llm = _server_engine(qwen3_model, server.address)
-        try:
-            assert generate(llm, [P])[0].token_ids == want
-            assert probe.worker.finisher.drain(30)
-            run = functools.partial(_repeat, llm, probe, [], want)
-            run(8)
-            assert vllm_kvplugin.stats()["lone_server_lookups"] == 1
+        now = mp.ServerIndex.lookup_now
 
-            now = mp.ServerIndex.lookup_now
+        def still_coming(ix, *a, **k):
+            done = now(ix, *a, **k)
+            if done is None or done.exception() is not None:
+                return done
+            said = Future()
+            said.set_result(dataclasses.replace(done.result(), promoting=1))
+            return said
 
-            def still_coming(ix, *a, **k):
-                done = now(ix, *a, **k)
-                if done is None or done.exception() is not None:
-                    return done
-                said = Future()
-                said.set_result(dataclasses.replace(done.result(), promoting=1))
-                return said
-
-            monkeypatch.setattr(mp.ServerIndex, "lookup_now", still_coming)
-            before = _server_stats(server.address)
-            run(8)
-            after = _server_stats(server.address)
-            assert vllm_kvplugin.stats()["lone_server_lookups"] == 1  # not planned from that answer
-            assert after["lookups"] - before["lookups"] == 2  # asked again
-            assert after["leases_created"] - before["leases_created"] == 2
-            assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
-        finally:
-            shutdown(llm)
+        monkeypatch.setattr(mp.ServerIndex, "lookup_now", still_coming)
+        before = _server_stats(server.address)
+        run(8)
+        after = _server_stats(server.address)
+        assert vllm_kvplugin.stats()["lone_server_lookups"] == 1  # not planned from that answer
+        assert after["lookups"] - before["lookups"] == 2  # asked again
+        assert after["leases_created"] - before["leases_created"] == 2
+        assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
