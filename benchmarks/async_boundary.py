@@ -38,6 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -50,78 +55,59 @@ WAIT_S = 0.002
 BLOCK = 32
 
 
-def _connector_class():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorMetadata,
-    )
+class _Meta(KVConnectorMetadata):
+    pass
 
-    class _Meta(KVConnectorMetadata):
+class BoundaryConnector(KVConnectorBase_V1):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        mode = STATE["mode"]
+        n = (len(request.prompt_token_ids) - 1) // BLOCK * BLOCK - num_computed_tokens
+        if mode == "none" or n <= 0 or request.request_id in STATE["marks"]:
+            return 0, False
+        STATE["marks"][request.request_id] = {"lookup": time.perf_counter()}
+        if mode == "sync":
+            time.sleep(STATE["delay_s"])
+            return n, False
+        with _LOCK:
+            STATE["due"][request.request_id] = time.perf_counter() + STATE["delay_s"]
+        return n, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        m = STATE["marks"].get(request.request_id)
+        if m is not None and "alloc" not in m:
+            m["alloc"] = time.perf_counter()
+
+    def build_connector_meta(self, scheduler_output):
+        return _Meta()
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def start_load_kv(self, forward_context, **kwargs):
         pass
 
-    class BoundaryConnector(KVConnectorBase_V1):
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            mode = STATE["mode"]
-            n = (len(request.prompt_token_ids) - 1) // BLOCK * BLOCK - num_computed_tokens
-            if mode == "none" or n <= 0 or request.request_id in STATE["marks"]:
-                return 0, False
-            STATE["marks"][request.request_id] = {"lookup": time.perf_counter()}
-            if mode == "sync":
-                time.sleep(STATE["delay_s"])
-                return n, False
-            with _LOCK:
-                STATE["due"][request.request_id] = time.perf_counter() + STATE["delay_s"]
-            return n, True
+    def wait_for_layer_load(self, layer_name):
+        pass
 
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            m = STATE["marks"].get(request.request_id)
-            if m is not None and "alloc" not in m:
-                m["alloc"] = time.perf_counter()
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
 
-        def build_connector_meta(self, scheduler_output):
-            return _Meta()
+    def wait_for_save(self):
+        pass
 
-        def request_finished(self, request, block_ids):
-            return False, None
-
-        def start_load_kv(self, forward_context, **kwargs):
-            pass
-
-        def wait_for_layer_load(self, layer_name):
-            pass
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            pass
-
-        def wait_for_save(self):
-            pass
-
-        def get_finished(self, finished_req_ids):
-            now = time.perf_counter()
-            if STATE["mode"] == "async-serve-wait" and STATE["due"]:
-                left = min(STATE["due"].values()) - now
-                if 0 < left <= WAIT_S:  # a load about to land: seen in this step, not after a 1 ms sleep
-                    time.sleep(left)
-                    now = time.perf_counter()
-            with _LOCK:
-                done = {rid for rid, t in STATE["due"].items() if now >= t}
-                for rid in done:
-                    del STATE["due"][rid]
-                    STATE["marks"][rid]["reported"] = now
-            return None, (done or None)
-
-    return BoundaryConnector
-
-
-_CLASS: list = []
-
-
-def __getattr__(name: str):  # vLLM imports the class by name from this module (its base needs vllm)
-    if name != "BoundaryConnector":
-        raise AttributeError(name)
-    if not _CLASS:
-        _CLASS.append(_connector_class())
-    return _CLASS[0]
+    def get_finished(self, finished_req_ids):
+        now = time.perf_counter()
+        if STATE["mode"] == "async-serve-wait" and STATE["due"]:
+            left = min(STATE["due"].values()) - now
+            if 0 < left <= WAIT_S:  # a load about to land: seen in this step, not after a 1 ms sleep
+                time.sleep(left)
+                now = time.perf_counter()
+        with _LOCK:
+            done = {rid for rid, t in STATE["due"].items() if now >= t}
+            for rid in done:
+                del STATE["due"][rid]
+                STATE["marks"][rid]["reported"] = now
+        return None, (done or None)
 
 
 def main() -> int:
