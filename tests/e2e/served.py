@@ -19,7 +19,7 @@ def plugin_counter(name: str) -> float:
                if s.name == f"vllm:kvplugin_{name}_total")
 
 
-async def _serve(model: str, connector: dict, prompts: list[list[int]], block: int) -> tuple[list, list[dict]]:
+async def _serve(model: str, connector: dict, prompts: list[list[int]], block: int, engine_kw: dict) -> tuple[list, list[dict]]:
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -29,7 +29,7 @@ async def _serve(model: str, connector: dict, prompts: list[list[int]], block: i
                            kv_connector_extra_config=connector)
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=model, max_model_len=4096, kv_cache_memory_bytes=256 << 20, block_size=block,
-        enable_prefix_caching=False, enforce_eager=True, seed=0, kv_transfer_config=ktc))
+        enable_prefix_caching=False, enforce_eager=True, seed=0, kv_transfer_config=ktc, **engine_kw))
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs, seen = [], []
     base = {k: plugin_counter(k) for k in COUNTERS}  # another engine of this process may have counted
@@ -47,8 +47,9 @@ async def _serve(model: str, connector: dict, prompts: list[list[int]], block: i
     return outs, seen
 
 
-def serve_alone(model: str, connector: dict, prompts: list[list[int]], block: int) -> tuple[list, list[dict]]:
+def serve_alone(model: str, connector: dict, prompts: list[list[int]], block: int,
+                **engine_kw) -> tuple[list, list[dict]]:
     """Each prompt alone in one served engine, in turn (12 greedy tokens).  Per prompt: its
     ``RequestOutput``, and its time to first token with the plugin's counters after it (counted
-    from the engine's start)."""
-    return asyncio.run(_serve(model, connector, prompts, block))
+    from the engine's start).  ``engine_kw``: more of ``AsyncEngineArgs``."""
+    return asyncio.run(_serve(model, connector, prompts, block, engine_kw))

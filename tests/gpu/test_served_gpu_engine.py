@@ -47,7 +47,9 @@ def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(model, tier, t
                  {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address})
     p = prompt(HIT + 5, seed=23)
     try:
-        (cold, warm), (after_cold, after_warm) = serve_alone(model, connector, [p, p], BLOCK)
+        torch.cuda.empty_cache()  # the engine's process checks the device's free memory at start
+        (cold, warm), (after_cold, after_warm) = serve_alone(model, connector, [p, p], BLOCK,
+                                                             gpu_memory_utilization=0.5)
     finally:
         if srv is not None:
             srv.stop()
