@@ -20,7 +20,9 @@ from served import serve_alone
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from srvutil import ServerProc  # noqa: E402
 
-pytestmark = [pytest.mark.engine, pytest.mark.server]
+# one more variant of paths the oldest lane runs (a multiprocess engine, the server tier); vLLM
+# 0.26's served engine runs in the GPU lane
+pytestmark = [pytest.mark.engine, pytest.mark.server, pytest.mark.newest_lane]
 
 CHUNK, BLOCK = 32, 32
 HIT = 24 * CHUNK
