@@ -28,6 +28,14 @@ def qwen3_model() -> str:
 
 
 @pytest.fixture(scope="session")
+def demo_model() -> str:
+    """The demo's model: Qwen3-8B's per-layer KV (8 KV heads x head dim 128, bf16), 8 layers."""
+    from vllm_kvplugin import tiny_model
+
+    return str(tiny_model.build(tiny_model.DEMO))
+
+
+@pytest.fixture(scope="session")
 def llama_model() -> str:
     from vllm_kvplugin import tiny_model
 

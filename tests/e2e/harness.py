@@ -125,6 +125,15 @@ def generate(llm, prompts: Sequence[list[int]], max_tokens: int = 12) -> list[Re
     return [Result(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
 
 
+def plugin_counter(name: str) -> float:
+    """This process's Prometheus ``vllm:kvplugin_<name>`` summed over engines (an in-process
+    engine's, or a served engine's front end: what ``/metrics`` serves)."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples
+               if s.name == f"vllm:kvplugin_{name}_total")
+
+
 def seed_method(llm, probe: Probe, prompts: Sequence[list[int]], want: Sequence[list[int]] | None,
                 chunk: int, extra=None) -> list[tuple]:
     """Each prompt cold, then warm after every block was poisoned; the failed checks per prompt.

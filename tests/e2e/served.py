@@ -8,15 +8,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+from harness import plugin_counter
+
 COUNTERS = ("lone_fetches", "loaded_tokens", "hit_tokens", "server_hit_tokens", "server_wakes")
-
-
-def plugin_counter(name: str) -> float:
-    """The front end's ``vllm:kvplugin_<name>`` summed over engines."""
-    from prometheus_client import REGISTRY
-
-    return sum(s.value for m in REGISTRY.collect() for s in m.samples
-               if s.name == f"vllm:kvplugin_{name}_total")
 
 
 async def _serve(model: str, connector: dict, prompts: list[list[int]], block: int, engine_kw: dict) -> tuple[list, list[dict]]:

@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from harness import Probe, engine, generate, prompt, reset_vllm_globals, seed_method, shutdown
+from harness import (
+    Probe,
+    engine,
+    generate,
+    plugin_counter,
+    prompt,
+    reset_vllm_globals,
+    seed_method,
+    shutdown,
+)
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
@@ -189,13 +198,8 @@ def test_eviction_under_budget_keeps_serving_correctly(qwen3_model):
 
 def test_counters_reach_vllm_prometheus(qwen3_model):
     """The plugin's counters arrive in vLLM's own stats pipeline and Prometheus registry."""
-    from prometheus_client import REGISTRY
-
-    def sample(name: str) -> float:
-        return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
-
     p = prompt(9 * 64 + 3, seed=77)
-    before = sample("vllm:kvplugin_loaded_bytes_total")
+    before = plugin_counter("loaded_bytes")
     llm = engine(qwen3_model, 32, {"chunk_size": 64}, disable_log_stats=False)
     try:
         generate(llm, [p])
@@ -203,8 +207,8 @@ def test_counters_reach_vllm_prometheus(qwen3_model):
         s = vllm_kvplugin.stats()
     finally:
         shutdown(llm)
-    assert sample("vllm:kvplugin_loaded_bytes_total") - before == 9 * 64 * 2048
-    assert sample("vllm:kvplugin_hit_tokens_total") >= 9 * 64
+    assert plugin_counter("loaded_bytes") - before == 9 * 64 * 2048
+    assert plugin_counter("hit_tokens") >= 9 * 64
     assert s["loaded_bytes"] >= 9 * 64 * 2048
 
 

@@ -32,15 +32,8 @@ CHUNK, BLOCK = 256, 16
 HIT = 8 * CHUNK
 
 
-@pytest.fixture(scope="module")
-def model() -> str:
-    from vllm_kvplugin import tiny_model
-
-    return str(tiny_model.build(tiny_model.DEMO))
-
-
 @pytest.mark.parametrize("tier", ["local", "server"])
-def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(model, tier, tmp_path, monkeypatch):
+def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(demo_model, tier, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine core in its own process
     srv = ServerProc(str(tmp_path), "--l1-bytes", "1GiB").start() if tier == "server" else None
     connector = ({"chunk_size": CHUNK, "cpu_bytes": 1 << 30} if srv is None else
@@ -48,7 +41,7 @@ def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(model, tier, t
     p = prompt(HIT + 5, seed=23)
     try:
         torch.cuda.empty_cache()  # the engine's process checks the device's free memory at start
-        (cold, warm), (after_cold, after_warm) = serve_alone(model, connector, [p, p], BLOCK,
+        (cold, warm), (after_cold, after_warm) = serve_alone(demo_model, connector, [p, p], BLOCK,
                                                              gpu_memory_utilization=0.5)
     finally:
         if srv is not None:

@@ -66,11 +66,9 @@ def no_engine_left_over():
 
 
 @pytest.fixture(scope="module")
-def model() -> str:
-    from vllm_kvplugin import tiny_model
-
-    # Qwen3-8B's per-layer KV: 8 KV heads x head dim 128, bf16
-    return str(tiny_model.build(tiny_model.DEMO))
+def model(demo_model) -> str:
+    """The demo's model (Qwen3-8B's per-layer KV), by the name this lane's tests use."""
+    return demo_model
 
 
 @pytest.fixture
