@@ -134,6 +134,14 @@ def plugin_counter(name: str) -> float:
                if s.name == f"vllm:kvplugin_{name}_total")
 
 
+def server_stats(address: str) -> dict:
+    """The cache server's ``stats``, asked on a session of its own (an engine's is left alone)."""
+    from vllm_kvplugin.tiers.mp_client import MPClient
+
+    with MPClient(address, client_name="test-stats") as c:
+        return c.stats()
+
+
 def seed_method(llm, probe: Probe, prompts: Sequence[list[int]], want: Sequence[list[int]] | None,
                 chunk: int, extra=None) -> list[tuple]:
     """Each prompt cold, then warm after every block was poisoned; the failed checks per prompt.

@@ -9,7 +9,7 @@ import contextlib
 import functools
 
 import pytest
-from harness import Probe, engine, generate, shutdown
+from harness import Probe, engine, generate, server_stats, shutdown
 from test_cache_hits import _baseline
 from test_integrity import BLOCK, CHUNK, P, _local_flip
 
@@ -46,13 +46,6 @@ def _served(model: str, address: str, events: list):
             yield probe, functools.partial(_repeat, llm, probe, events, want)
         finally:
             shutdown(llm)
-
-
-def _server_stats(address: str) -> dict:
-    from vllm_kvplugin.tiers.mp_client import MPClient
-
-    with MPClient(address, client_name="test-stats") as c:
-        return c.stats()
 
 
 def test_a_lone_hits_first_chunks_are_read_before_the_rest_are_keyed(qwen3_model, monkeypatch):
@@ -203,15 +196,15 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
             return r.hits
 
     with _served(qwen3_model, server.address, events) as (probe, run):
-        before = _server_stats(server.address)["resolves"]
+        before = server_stats(server.address)["resolves"]
         run(8)  # placed: no resolve from the worker
-        assert _server_stats(server.address)["resolves"] == before
+        assert server_stats(server.address)["resolves"] == before
 
         lookup = mp.ServerIndex.lookup
         monkeypatch.setattr(mp.ServerIndex, "lookup", lambda ix, *a, **k: dataclasses.replace(
             lookup(ix, *a, **k), placed_until=time.monotonic() - 1.0))
         run(8)
-        assert _server_stats(server.address)["resolves"] == before + 1
+        assert server_stats(server.address)["resolves"] == before + 1
         monkeypatch.setattr(mp.ServerIndex, "lookup", lookup)
 
         flip, client = _server_flip(probe, P, server.address)
@@ -235,7 +228,7 @@ def test_placements_past_their_time_or_of_a_server_since_restarted(qwen3_model, 
         run(3)
         s = vllm_kvplugin.stats()
         assert s["load_failures"] == {"checksum": 1}, s
-        assert _server_stats(server.address)["dropped_reported_corrupt"] == 0  # not dropped on the new server
+        assert server_stats(server.address)["dropped_reported_corrupt"] == 0  # not dropped on the new server
         run(8)
         assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
 
@@ -268,9 +261,9 @@ def test_a_lone_lookup_here_that_finds_objects_still_coming_is_asked_again_on_th
             return said
 
         monkeypatch.setattr(mp.ServerIndex, "lookup_now", still_coming)
-        before = _server_stats(server.address)
+        before = server_stats(server.address)
         run(8)
-        after = _server_stats(server.address)
+        after = server_stats(server.address)
         assert vllm_kvplugin.stats()["lone_server_lookups"] == 1  # not planned from that answer
         assert after["lookups"] - before["lookups"] == 2  # asked again
         assert after["leases_created"] - before["leases_created"] == 2

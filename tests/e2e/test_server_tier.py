@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Probe, engine, generate, prompt, seed_method, shutdown
+from harness import Probe, engine, generate, prompt, seed_method, server_stats, shutdown
 from test_cache_hits import _baseline
 
 import vllm_kvplugin
@@ -127,7 +127,7 @@ def test_two_engine_processes_share_the_server(qwen3_model, server):
 
 @pytest.mark.newest_lane
 @pytest.mark.parametrize("when", ["before-load", "during-load", "restarted-during-load", "stopped-during-load",
-                                  "during-store"])
+                                  "during-store", "stopped-during-store"])
 def test_server_killed(qwen3_model, server, when, monkeypatch):
     """kill -9 (or restart, or SIGSTOP) the server: the engine recomputes (no hang), keeps
     serving, stores nothing computed over a load that did not happen, and hits again later.
@@ -136,7 +136,10 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
     killed, the server leaves them mapped and pinned, and they are read and verified as any
     hit; restarted, and met by the worker's client first, its new instance voids them (not
     fetched).  Stopped: the worker's own resolve (the lookup resolving nothing, as an engine of
-    several ranks does) gets no answer (not fetched)."""
+    several ranks does) gets no answer (not fetched).  "stopped-during-store": the first reserve
+    reaches a stopped server, which carries it out once continued, after the engine gave up on
+    it: the client gives that reservation back, so the next time the prompt is computed its
+    store lands (kept, the server answered "exists" to it for 60 s: a hole at chunk 0)."""
     import signal
 
     from vllm_kvplugin.tiers import mp
@@ -167,6 +170,30 @@ def test_server_killed(qwen3_model, server, when, monkeypatch):
                 probe.poison_all_blocks()
                 again = generate(llm, [p])[0]
                 assert again.token_ids == want_p and again.num_cached_tokens == 0
+            elif when == "stopped-during-store":
+                orig = mp.ServerStore.reserve
+
+                def reserve_then_stop(self, jobs, items):
+                    monkeypatch.undo()
+                    server.proc.send_signal(signal.SIGSTOP)
+                    try:  # (stopped for the step's bound: less than the silence that reaps a client)
+                        return orig(self, jobs, items)
+                    finally:  # continued, it reserves the objects for nobody
+                        server.proc.send_signal(signal.SIGCONT)
+
+                assert generate(llm, [q])[0].token_ids == want_q  # the worker's session is open
+                monkeypatch.setattr(mp.ServerStore, "reserve", reserve_then_stop)
+                assert generate(llm, [p])[0].token_ids == want_p
+                assert vllm_kvplugin.stats()["server_store_errors"] >= 1
+                time.sleep(1.5)  # past the worker's back-off after the reserve it gave up on
+                for i in range(3):
+                    probe.poison_all_blocks(seed=i + 1)
+                    back = generate(llm, [p])[0]
+                    assert back.token_ids == want_p
+                    if i:
+                        assert back.num_cached_tokens == 12 * CHUNK, (i, vllm_kvplugin.stats())
+                st = server_stats(server.address)
+                assert st["aborted_objects"] >= 1 and st["clients_reaped"] == 0, st
             else:
                 assert generate(llm, [p])[0].token_ids == want_p
                 if when == "before-load":

@@ -147,6 +147,40 @@ def test_a_call_unanswered_within_a_step_keeps_the_session(server_factory):
     c.close()
 
 
+def test_calls_answered_after_the_client_gave_up_leave_nothing_held(server_factory):
+    """A reserve and a lookup that a stopped server carries out only after the client gave up on
+    them (SIGSTOP against a step's 50 ms bound, then SIGCONT): their reservations and lease
+    belong to nobody.  Kept, every later reserve of those objects -- by this engine or any
+    other -- was answered "exists" for the server's reserve_s (60 s) while nothing could read
+    them: holes in the cache the engine that computed them could not fill (CI: a full hit lost
+    after the server was stopped during a load).  The client reads the late answers before its
+    next request and gives the reservations and the lease back first, so the next store lands."""
+    srv = server_factory("--l1-bytes", "64MiB")
+    c = MPClient(srv.address, timeout_s=2.0, retry_s=0.2, heartbeat=False)
+    other = MPClient(srv.address, timeout_s=2.0, heartbeat=False)
+    stored, fresh = keys_for(31, 3), keys_for(32, 4)
+    assert all(store(c, oids_for(stored, 1, 1, 1), NB))
+    oids = oids_for(fresh, 1, 1, 1)
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TierUnavailable, match="did not answer reserve"):
+            c.reserve([(o, HEADER_SIZE + NB) for o in oids], timeout_s=0.05)
+        time.sleep(0.3)  # past the back-off
+        with pytest.raises(TierUnavailable, match="did not answer lookup"):
+            c.lookup_detail(stored, [(0, 0)], timeout_s=0.05)
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    time.sleep(0.3)  # past the back-off; both late answers are waiting on the client's socket
+    st = c.stats()  # (the give-backs went before this request: the server handled them first)
+    assert st["reserved_objects"] == 4 + 3 and st["aborted_objects"] == 4, st
+    assert st["leases_created"] == 1 and st["leases_released"] == 1 and st["leases_expired"] == 0, st
+    assert all(store(other, oids, NB)), other.stats()  # another engine stores them
+    assert load_and_check(c, fresh, 1, 1, 1, NB)[0] == 4
+    assert load_and_check(other, stored, 1, 1, 1, NB)[0] == 3
+    c.close()
+    other.close()
+
+
 def test_no_server_fails_fast(short_tmp):
     c = MPClient(f"unix://{short_tmp}/nobody.sock", timeout_s=1.0, retry_s=5.0)
     t0 = time.monotonic()

@@ -11,7 +11,9 @@ socket, hello, the pool re-mapped if the server's pool changed).  A call that
 only got no answer within its bound keeps the connection and its session: the
 heartbeats go on, and a late answer is read and dropped by the next call (on an
 overloaded host a server descheduled past an engine step's 50 ms bound was
-reaped as silent while the engine's client sat disconnected).
+reaped as silent while the engine's client sat disconnected) -- except that what
+a late ``reserve`` or ``lookup`` made on the server is given back before that
+call's request goes (:mod:`.mp_unanswered`).
 
 Offsets and leases belong to one server instance.  The call that first meets
 a new instance re-maps the pool, increments :attr:`MPSession.pool_generation`
@@ -42,6 +44,7 @@ from vllm_kvplugin.server import protocol as P
 from vllm_kvplugin.server.chunkhdr import HEADER_SIZE
 from vllm_kvplugin.tiers.mp_pool import PoolFileError, PoolMaps
 from vllm_kvplugin.tiers.mp_results import ServerError, TierUnavailable
+from vllm_kvplugin.tiers.mp_unanswered import Unanswered
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class MPSession:
         self._hello: P.HelloRep | None = None
         self._down_until = 0.0
         self._req_id = 0
+        self._unanswered = Unanswered()  # calls of this connection that got no answer in time
         self._pools = PoolMaps()
         self._generation = 0
         self._instance: str | None = None
@@ -113,6 +117,7 @@ class MPSession:
                 pass
         self._sock = None
         self._hello = None
+        self._unanswered.forget_all()
         if backoff:
             self._down_until = time.monotonic() + self.retry_s
 
@@ -241,17 +246,17 @@ class MPSession:
             # that is not there fails the call after the connect grace, not the whole timeout
             if not self._wait(sock, zmq.POLLOUT, min(deadline, time.monotonic() + CONNECT_GRACE_S)):
                 raise TierUnavailable(f"cache server {self.address} is not reachable")
+            while self._unanswered and sock.poll(0, zmq.POLLIN):  # late answers already here:
+                self._late(sock, self._recv(sock))  # what they made is given back before msg
             sock.send(msg, zmq.NOBLOCK)
             while True:
                 if not self._wait(sock, zmq.POLLIN, deadline):
+                    self._unanswered.remember(rid, op, body)
                     raise _NoReply(f"cache server {self.address} did not answer {op} within {bound:.2g} s")
-                raw = sock.recv(zmq.NOBLOCK)
-                try:
-                    rep = P.REPLY_DECODER.decode(raw)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise TierUnavailable(f"cache server sent an unreadable reply: {exc}") from None
+                rep = self._recv(sock)
                 if rep.id != rid and rep.id != 0:
-                    continue  # a late reply to an earlier request that timed out
+                    self._late(sock, rep)  # a late reply to an earlier request that timed out
+                    continue
                 if not rep.ok:
                     if rep.code == P.E_HELLO:  # reaped, or the server restarted under us
                         raise _SessionLost(rep.error)
@@ -274,6 +279,21 @@ class MPSession:
         except zmq.ZMQError as exc:
             self._disconnect(backoff=True)
             raise TierUnavailable(f"cache server {self.address}: {exc}") from None
+
+    @staticmethod
+    def _recv(sock: zmq.Socket) -> P.ReplyEnvelope:
+        raw = sock.recv(zmq.NOBLOCK)
+        try:
+            return P.REPLY_DECODER.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise TierUnavailable(f"cache server sent an unreadable reply: {exc}") from None
+
+    def _late(self, sock: zmq.Socket, rep: P.ReplyEnvelope) -> None:
+        """A reply to a request this connection gave up on: send what gives its state back
+        (unanswered themselves; their replies are dropped as late ones)."""
+        for op, body in self._unanswered.give_back(rep):
+            self._req_id += 1
+            sock.send(P.encode_request(op, self._req_id, body), zmq.NOBLOCK)
 
     def _send_only(self, op: str, body: msgspec.Struct) -> bool:
         """Send a request that gets no reply (``wake``) when the session is up and no call is in
