@@ -60,10 +60,8 @@ def test_restarts_unregister_and_unmap_the_old_pools(tmp_path):
     """A pinning worker under 3 server restarts: each new pool is page-locked once, each old one
     unregistered (cudaHostUnregister) and unmapped once nothing uses it; copies keep landing."""
     import os
-    import sys
     import time
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
     from srvutil import ServerProc
 
     from vllm_kvplugin.config import KVPluginConfig

@@ -11,18 +11,12 @@ its outputs equal its cold run's (the counters: ``tests/e2e/served.py``).  Run b
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 vllm = pytest.importorskip("vllm")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from harness import prompt  # noqa: E402
 from served import serve_alone  # noqa: E402

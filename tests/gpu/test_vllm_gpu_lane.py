@@ -19,7 +19,6 @@ import dataclasses
 import os
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +26,6 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 vllm = pytest.importorskip("vllm")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from harness import Probe, engine, generate, prompt, seed_method, shutdown  # noqa: E402
 from srvutil import ServerProc  # noqa: E402
