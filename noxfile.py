@@ -321,9 +321,13 @@ def _make_cpu_session(entry: dict):
         if other:  # the two-engine server test then runs its second engine on another vLLM version
             env["KVPLUGIN_OTHER_VLLM_PYTHON"] = other
         markers = [] if "-m" in session.posargs else ["-m", entry.get("markers", "not gpu")]
+        workers = int(os.environ.get("KVPLUGIN_TEST_WORKERS", min(2, os.cpu_count() or 1)))
+        # an in-process CPU engine runs torch with one OpenMP thread per core; two workers' engines
+        # side by side then keep twice the host's threads spinning (measured on CI's 2 cores:
+        # tests/e2e/test_cache_hits.py 117 s with vLLM's default, 57 s with one thread a worker)
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, workers)))))
         with _step(session, "pytest"):
-            session.run("pytest", *_pytest_args(session, ["tests"]), *markers,
-                        "-n", os.environ.get("KVPLUGIN_TEST_WORKERS", str(min(2, os.cpu_count() or 1))),
+            session.run("pytest", *_pytest_args(session, ["tests"]), *markers, "-n", str(workers),
                         "--dist", "worksteal", "--durations=40",
                         f"--junitxml={NOX_DIR / f'junit-{session.name}.xml'}", env=env)  # every test's time
 
