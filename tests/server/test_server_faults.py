@@ -187,6 +187,62 @@ def test_calls_answered_after_the_client_gave_up_leave_nothing_held(server_facto
     other.close()
 
 
+STARVED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from srvutil import keys_for
+    from vllm_kvplugin.tiers.mp_client import MPClient, TierUnavailable
+    c = MPClient({addr!r}, token={token!r}, client_name="starved", timeout_s=2.0)
+    c.hello()
+    print("up", flush=True)
+    sys.stdin.readline()
+    ready = c.ready
+    try:  # bounded as an engine step's call
+        c.lookup_detail(keys_for(5, 2), [(0, 0)], timeout_s=0.05)
+        print(ready, "answered", flush=True)
+    except TierUnavailable as exc:
+        print(ready, "unavailable:", exc, flush=True)
+""")
+
+
+def test_a_reaped_session_is_opened_again_by_the_heartbeat(server_factory, short_tmp):
+    """A client process stopped past the server's reap time (SIGSTOP: a starved host) loses its
+    session.  Its heartbeat thread, once it runs again, opens the session again on the same
+    connection -- hello and the token's proof both ways -- so that the next call, an engine
+    step's bounded by 50 ms, goes straight to the server (before, that call had to say hello
+    and prove the token within its 50 ms, and on a loaded host backed off for a second)."""
+    token = os.path.join(short_tmp, "token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("a-token-of-at-least-16-chars")
+    srv = server_factory("--l1-bytes", "16MiB", "--heartbeat-s", "0.5", "--token-file", token)  # 1.5 s: reaped
+    c = MPClient(srv.address, token="a-token-of-at-least-16-chars", client_name="observer")
+    p = subprocess.Popen([PY, "-c", STARVED.format(here=os.path.dirname(__file__), addr=srv.address,
+                                                          token="a-token-of-at-least-16-chars")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        assert c.stats()["clients"] == 2
+        p.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: c.stats()["clients_reaped"] == 1, timeout=10.0)
+            before = c.stats()
+            assert before["clients"] == 1, before
+        finally:
+            p.send_signal(signal.SIGCONT)
+        # the starved client makes no call: only its heartbeat thread can open the session again
+        st = wait_for(lambda: (s := c.stats())["clients"] == 2 and s, timeout=5.0)
+        assert st["op_hello"] == before["op_hello"] + 1 and st["op_auth"] == before["op_auth"] + 1, st
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "True answered"
+        assert c.stats()["op_hello"] == st["op_hello"]  # the calls said no hello
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        c.close()
+
+
 def test_no_server_fails_fast(short_tmp):
     c = MPClient(f"unix://{short_tmp}/nobody.sock", timeout_s=1.0, retry_s=5.0)
     t0 = time.monotonic()

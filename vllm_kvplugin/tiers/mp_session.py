@@ -13,7 +13,9 @@ heartbeats go on, and a late answer is read and dropped by the next call (on an
 overloaded host a server descheduled past an engine step's 50 ms bound was
 reaped as silent while the engine's client sat disconnected) -- except that what
 a late ``reserve`` or ``lookup`` made on the server is given back before that
-call's request goes (:mod:`.mp_unanswered`).
+call's request goes (:mod:`.mp_unanswered`).  A session the server reaped while this process
+was silent (stopped, starved) is opened again by the heartbeat thread, on the same connection
+and for the same server instance only, so that the next call need not say hello itself.
 
 Offsets and leases belong to one server instance.  The call that first meets
 a new instance re-maps the pool, increments :attr:`MPSession.pool_generation`
@@ -387,20 +389,37 @@ class MPSession:
             if self._sock is None or not self._lock.acquire(timeout=0):
                 continue  # disconnected (the next call reconnects) or a call is in flight
             try:
-                if self._sock is not None and self._hello is not None:
-                    # short: calls on an engine step wait for this lock (a missed beat is harmless)
-                    deadline = time.monotonic() + min(self.timeout_s, HEARTBEAT_TIMEOUT_S)
+                # short: calls on an engine step wait for this lock (a missed beat is harmless)
+                deadline = time.monotonic() + min(self.timeout_s, HEARTBEAT_TIMEOUT_S)
+                if self._sock is not None and self._hello is None:
+                    self._reopen(deadline)
+                elif self._sock is not None:
                     try:
                         self._exchange("heartbeat", P.Empty(), deadline)
                         self._down_until = 0.0  # answered: calls need not back off any longer
-                    except _SessionLost:
-                        # reaped, or a restarted server: the next call says hello again (and
-                        # re-maps the pool in the caller's thread, never behind its back)
+                    except _SessionLost:  # reaped, or a restarted server
                         self._hello = None
+                        self._reopen(deadline)
             except Exception as exc:
                 logger.debug("vllm-kvplugin: heartbeat failed: %s", exc)
             finally:
                 self._lock.release()
+
+    def _reopen(self, deadline: float) -> None:
+        """Heartbeat thread, lock held: open again, on the same connection, the session of a
+        server instance that dropped it (silent past its reap time: a stopped or starved
+        process), so that the next call -- an engine step's, bounded by 50 ms -- need not say
+        hello and prove the token itself.  A new instance is left to the next call: it re-maps
+        the pool in the caller's thread and raises, so that the caller drops its offsets."""
+        nonce = auth.new_nonce()
+        try:
+            rep = self._exchange("hello", P.HelloReq(nonce, self.client_name, os.getpid()), deadline)
+        except _SessionLost:
+            return
+        if rep.instance != self._instance or not self._pools.is_current(rep.pool_path, rep.pool_size):
+            self._disconnect(backoff=False)  # (the next call connects afresh)
+            return
+        self._after_hello(rep, nonce, deadline)
 
     # ------------------------------------------------------------------ API
     def hello(self) -> dict[str, Any]:
