@@ -101,6 +101,7 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch
     counters.STATS.reset()
     from vllm_kvplugin.connector import worker as wmod
 
+    handle = None
     with Probe().installed() as probe:
         llm = engine(qwen3_model, BLOCK, cfg, budget=CHUNK)
         try:
@@ -147,6 +148,8 @@ def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch
             assert not probe.kv_mismatches and probe.kv_checked > 0
         finally:
             shutdown(llm)
+            if tier == "server" and handle is not None:
+                handle.close()  # (its heartbeat thread would outlive the test)
 
 
 @pytest.mark.newest_lane

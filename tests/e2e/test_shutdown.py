@@ -24,8 +24,9 @@ pytestmark = pytest.mark.engine
 THREADS = ("kvplugin-store-finisher", "kvplugin-mp-heartbeat")
 
 
-def _plugin_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name in THREADS and t.is_alive())
+def _plugin_threads(older: set[threading.Thread]) -> list[str]:
+    """The plugin's live threads but ``older`` (those of earlier tests in this process)."""
+    return sorted(t.name for t in threading.enumerate() if t.name in THREADS and t.is_alive() and t not in older)
 
 
 @pytest.mark.parametrize("tier", ["local", pytest.param("server", marks=[pytest.mark.server, pytest.mark.newest_lane])])
@@ -46,21 +47,21 @@ def test_an_engine_shut_down_finishes_its_stores_and_leaves_nothing_running(qwen
     if tier == "server":
         cfg.update(cpu_bytes=0, server=request.getfixturevalue("server").address)
     expected = ["kvplugin-store-finisher"] + (["kvplugin-mp-heartbeat"] if tier == "server" else [])
-    assert _plugin_threads() == []
+    older = set(threading.enumerate())
     counters.STATS.reset()
     llm = engine(qwen3_model, BLOCK, cfg, budget=CHUNK)
     try:
         assert generate(llm, [P])[0].token_ids == want
         worker = weakref.ref(wmod.registered())
         assert worker().finisher.busy()  # P's stores still finishing as the engine stops
-        assert sorted(set(_plugin_threads())) == sorted(expected)
+        assert sorted(set(_plugin_threads(older))) == sorted(expected)
     finally:
         threading.Timer(0.3, gate.set).start()  # the stores finish while shutdown waits for them
         shutdown(llm)
     del llm
     gc.collect()
     assert vllm_kvplugin.stats()["stored_tokens"] == 8 * CHUNK
-    assert _plugin_threads() == []
+    assert _plugin_threads(older) == []
     assert worker() is None, gc.get_referrers(worker())
     if tier == "server":
         counters.STATS.reset()
