@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 
@@ -50,3 +51,17 @@ def pytest_collection_modifyitems(config, items):
         return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("engine") else 2
 
     items.sort(key=rank)  # stable: collection order within each rank
+
+
+@pytest.fixture(autouse=True)
+def _no_client_left_running():
+    """A cache-server client a test opened and did not close keeps its heartbeat thread alive in
+    the worker, where a later test that counts the plugin's threads fails for it: fail here, in
+    the test that left it."""
+    before = set(threading.enumerate())
+    yield
+    left = [t for t in threading.enumerate() if t.name == "kvplugin-mp-heartbeat" and t not in before]
+    for t in left:
+        t.join(timeout=2.0)  # a closed client's thread ends at its next wake
+    left = [t for t in left if t.is_alive()]
+    assert not left, f"{len(left)} cache server client(s) opened by this test were not closed"
