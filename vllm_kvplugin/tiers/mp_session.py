@@ -141,12 +141,16 @@ class MPSession:
         return self._connect_hello(deadline)
 
     def _connect_hello(self, deadline: float) -> bool:
+        return self._after_hello(*self._say_hello(deadline), deadline)
+
+    def _say_hello(self, deadline: float) -> tuple[P.HelloRep, bytes]:
+        """The server's hello reply and the nonce it answers (nothing checked yet)."""
         nonce = auth.new_nonce()
         try:
             rep = self._exchange("hello", P.HelloReq(nonce, self.client_name, os.getpid()), deadline)
         except _SessionLost as exc:  # hello never needs a session; a server that says so is broken
             raise TierUnavailable(f"cache server refused hello: {exc}") from None
-        return self._after_hello(rep, nonce, deadline)
+        return rep, nonce
 
     def _trust(self, check, *args) -> None:
         try:
@@ -391,9 +395,11 @@ class MPSession:
             try:
                 # short: calls on an engine step wait for this lock (a missed beat is harmless)
                 deadline = time.monotonic() + min(self.timeout_s, HEARTBEAT_TIMEOUT_S)
-                if self._sock is not None and self._hello is None:
+                if self._sock is None:
+                    pass  # (disconnected while this thread waited for the lock)
+                elif self._hello is None:
                     self._reopen(deadline)
-                elif self._sock is not None:
+                else:
                     try:
                         self._exchange("heartbeat", P.Empty(), deadline)
                         self._down_until = 0.0  # answered: calls need not back off any longer
@@ -411,12 +417,8 @@ class MPSession:
         process), so that the next call -- an engine step's, bounded by 50 ms -- need not say
         hello and prove the token itself.  A new instance is left to the next call: it re-maps
         the pool in the caller's thread and raises, so that the caller drops its offsets."""
-        nonce = auth.new_nonce()
-        try:
-            rep = self._exchange("hello", P.HelloReq(nonce, self.client_name, os.getpid()), deadline)
-        except _SessionLost:
-            return
-        if rep.instance != self._instance or not self._pools.is_current(rep.pool_path, rep.pool_size):
+        rep, nonce = self._say_hello(deadline)
+        if rep.instance != self._instance:
             self._disconnect(backoff=False)  # (the next call connects afresh)
             return
         self._after_hello(rep, nonce, deadline)
