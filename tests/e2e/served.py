@@ -1,7 +1,8 @@
 """An engine as ``vllm serve`` runs it, for tests: ``AsyncLLM``, whose engine core runs in a
 process of its own (``EngineCoreProc``: it sleeps 1 ms after a step that ran no model), and the
 plugin's counters as the front end's Prometheus metrics hold them (what ``/metrics`` serves).
-The caller sets ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the tests' default runs engines in-process)."""
+The caller sets ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the tests' default runs engines in-process),
+and ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` where this process has CUDA initialized."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ COUNTERS = ("lone_fetches", "loaded_tokens", "hit_tokens", "server_hit_tokens", 
 
 
 async def _serve(model: str, connector: dict, prompts: list[list[int]], block: int, engine_kw: dict) -> tuple[list, list[dict]]:
+    import vllm.envs
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # the caller's environment must count: an in-process engine that ran earlier in this process
+    # froze vLLM's view of it at its start (``enable_envs_cache``), e.g. the start method "fork"
+    vllm.envs.disable_envs_cache()
     ktc = KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both",
                            kv_connector_extra_config=connector)
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(

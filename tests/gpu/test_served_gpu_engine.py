@@ -29,6 +29,10 @@ HIT = 8 * CHUNK
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(demo_model, tier, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine core in its own process
+    # spawned, not forked: this pytest process has CUDA initialized (its fixtures and the lane's
+    # other tests), and a forked engine core then fails at its device's init ("Cannot re-initialize
+    # CUDA in forked subprocess", the first run on an H100); `vllm serve`'s front end never touches CUDA
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     srv = ServerProc(str(tmp_path), "--l1-bytes", "1GiB").start() if tier == "server" else None
     connector = ({"chunk_size": CHUNK, "cpu_bytes": 1 << 30} if srv is None else
                  {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address})
@@ -46,8 +50,8 @@ def test_a_served_engines_lone_hit_is_fetched_in_its_lookups_step(demo_model, ti
     # the repeat: one lone fetch, its whole hit loaded
     assert after_warm["lone_fetches"] == 1, after_warm
     assert after_warm["loaded_tokens"] == after_warm["hit_tokens"] == HIT, after_warm
-    if srv is not None:  # every lone lookup announced to the server, the cold one's too
-        assert (after_cold["server_wakes"], after_warm["server_wakes"]) == (1, 2), after_warm
+    if srv is not None:  # the repeat's lone lookup announced to the server (the cold one's came before any session)
+        assert (after_cold["server_wakes"], after_warm["server_wakes"]) == (0, 1), after_warm
         assert after_warm["server_hit_tokens"] == HIT, after_warm
     else:
         assert after_warm["server_wakes"] == after_warm["server_hit_tokens"] == 0, after_warm
