@@ -13,7 +13,9 @@
 * ``digest``    - the prefetch's payload digests on the device, from their issue (they wait for
   the copy) until their values are on the host (CUDA events on the engine's digest stream);
 * ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
-  ``scatter`` is the part from the device staging into the paged cache;
+  ``scatter`` is the part from the device staging into the paged cache (from the entry of its
+  call: the host's work up to the launch included) and ``scatter_kernel`` the scatter op's own
+  kernels (``scatter_call``: that op's call on the host);
 * ``store_issue`` - the worker's ``store`` call (host: gathers and DMAs issued);
 * ``alloc``     - staging buffers allocated by the transfer engine (host wall time);
 * ``server_lookup`` - a lookup on the cache server, on the index thread (host wall time: from the
@@ -170,6 +172,10 @@ class StageTimers:
         self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
         self._wrap_host(CudaTransfer, "load", "load_issue")
         self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)
+        # the scatter op alone (``scatter`` starts at ``_load_staged``'s entry, on an idle stream,
+        # so the host's work before the launch is in it): its kernels, and its call on the host
+        self._wrap_cuda(CudaTransfer, "_scatter", "scatter_kernel", lambda _: torch.cuda.current_stream())
+        self._wrap_host(CudaTransfer, "_scatter", "scatter_call")
         return self
 
     def _on_gc(self, phase: str, info: dict) -> None:
