@@ -326,7 +326,7 @@ def _make_cpu_session(entry: dict):
         # side by side then keep twice the host's threads spinning (measured on CI's 2 cores:
         # tests/e2e/test_cache_hits.py 117 s with vLLM's default, 57 s with one thread a worker)
         if "OMP_NUM_THREADS" not in os.environ:
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, workers))))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
         with _step(session, "pytest"):
             session.run("pytest", *_pytest_args(session, ["tests"]), *markers, "-n", str(workers),
                         "--dist", "worksteal", "--durations=40",
