@@ -150,7 +150,7 @@ def mode_knobs(mode: str) -> None:
         cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])
     if mode == "kvplugin-held":  # every hit held back a step for its verdict, a lone one too
         from vllm_kvplugin.connector.scheduler import SchedulerSide
-        SchedulerSide._fetch_here = lambda self, req, more=None: None
+        SchedulerSide._fetch_here = lambda self, req, more=None, wait=True: None
     if mode == "kvplugin-gc-late":  # no collection in a lone fetch's wait
         from vllm_kvplugin.connector import worker_fetch
         worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62

@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", required=True)
     ap.add_argument("--server", default="")
     ap.add_argument("--faults", action="store_true", help="lengths are P, P+ext, Q, Q+ext: fault runs")
+    ap.add_argument("--async-loads", action="store_true", help="the connector's async_loads")
     args = ap.parse_args()
 
     from harness import engine, generate, shutdown
@@ -152,7 +153,7 @@ def main() -> None:
     finally:
         shutdown(base)
 
-    cfg = {"chunk_size": args.chunk, "cpu_bytes": 0 if args.server else 256 << 20}
+    cfg = {"chunk_size": args.chunk, "cpu_bytes": 0 if args.server else 256 << 20, "async_loads": args.async_loads}
     if args.server:
         cfg["server"] = args.server
     llm = engine(args.model, args.block, cfg, **tp)
