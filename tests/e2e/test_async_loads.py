@@ -118,6 +118,7 @@ def test_an_async_load_writes_only_what_was_verified(qwen3_model, tier, path, re
             monkeypatch.setattr(wmod.WorkerSide, "_fetch", orig)
             assert bad.token_ids == want_p2
             claimed = (len(P1) - 1) // CHUNK * CHUNK if path == "step" else BAD * CHUNK  # before its verdict: all
+            assert bad.num_cached_tokens == claimed  # vLLM's count is the claim's (0.26 and 0.32), not what loaded
             assert after["hit_tokens"] - before["hit_tokens"] == claimed
             assert after["loaded_tokens"] - before["loaded_tokens"] == BAD * CHUNK  # written: the verified ones
             assert [t for _, t in probe.loads[-1:]] == [claimed]  # (every claimed target poisoned first)
