@@ -2,10 +2,11 @@
 
 The seed's method (every KV block poisoned before each warm run, every target token poisoned
 before its load) with the connector's asynchronous claim: vLLM allocates the blocks, parks the
-request until the worker reports the load in ``get_finished``, then runs it.  A chunk that fails
-verification is not written: its blocks go to vLLM as failed, which recomputes from there, and
-every later request is still right.  ``path``: the request alone in the engine (its fetch started
-by the lookup) or its fetch sent with the step's metadata (as with other requests running).
+request until the worker reports the load in ``get_finished``, then runs it.  ``path``: the
+request alone in the engine (its fetch started by the lookup) or its fetch sent with the step's
+metadata (as with other requests running).  A chunk that fails verification is not written: its
+blocks go to vLLM as failed, which recomputes from there, and every later request is still right
+(``test_integrity.py``'s transient fault, ``async`` cases).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from __future__ import annotations
 import pytest
 from harness import Probe, engine, generate, prompt, seed_method, shutdown
 from test_cache_hits import _baseline
-from test_integrity import BAD, BLOCK, CHUNK, P2, _local_flip, _server_flip
-from test_integrity import P as P1
-from test_server_tier import server, workdir  # noqa: F401  (fixtures)
+from test_integrity import BLOCK, CHUNK, not_alone
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
@@ -41,10 +40,8 @@ def _reported(monkeypatch) -> list[set[str]]:
 
 
 def _path(monkeypatch, path: str) -> None:
-    if path == "step":  # never alone: the fetch goes with the step's metadata
-        from vllm_kvplugin.connector.scheduler_lone import LoneFetch
-
-        monkeypatch.setattr(LoneFetch, "_alone", lambda self, req_id: None)
+    if path == "step":
+        not_alone(monkeypatch)
 
 
 def _policy(llm) -> str:
@@ -72,69 +69,6 @@ def test_an_async_hit_is_identical_to_recompute(qwen3_model, path, monkeypatch):
             assert stats["lone_fetches"] == (len(prompts) if path == "lone" else 0)
         finally:
             shutdown(llm)
-
-
-@pytest.mark.parametrize("tier,path", [("local", "step"), pytest.param("server", "step", marks=pytest.mark.newest_lane),
-                                       pytest.param("local", "lone", marks=pytest.mark.newest_lane)])
-def test_an_async_load_writes_only_what_was_verified(qwen3_model, tier, path, request, monkeypatch):
-    """The integrity issue's repro with the claim before the verdict: chunk BAD's bytes are wrong
-    while one fetch reads them; the claim covered the whole hit, the load writes the chunks before
-    BAD, and vLLM recomputes from BAD.  Then everything is right, with full hits.  (``lone``: on the
-    CPU the host hashes a lone fetch's few objects as the lookup starts it, so the verdict is in
-    before the claim, which covers the verified chunks only.)"""
-    _path(monkeypatch, path)
-    want_p, want_p2 = _baseline(qwen3_model, BLOCK, [[P1], [P2]], budget=CHUNK)
-    cfg = {"chunk_size": CHUNK, "async_loads": True}
-    srv = None
-    if tier == "server":
-        srv = request.getfixturevalue("server")
-        cfg.update(cpu_bytes=0, server=srv.address)
-    counters.STATS.reset()
-    from vllm_kvplugin.connector import worker as wmod
-
-    handle = None
-    with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, cfg, budget=CHUNK)
-        try:
-            assert generate(llm, [P1])[0].token_ids == want_p
-            flip, handle = _local_flip(probe, P1) if tier == "local" else _server_flip(probe, P1, srv.address)
-            orig, calls = wmod.WorkerSide._fetch, []
-
-            def fetch_once_wrong(ws, req, *a, **k):
-                calls.append(req.req_id)
-                if len(calls) == 1:
-                    flip()
-                try:
-                    return orig(ws, req, *a, **k)
-                finally:
-                    if len(calls) == 1:
-                        flip()
-
-            monkeypatch.setattr(wmod.WorkerSide, "_fetch", fetch_once_wrong)
-            probe.poison_all_blocks(seed=1)
-            before = vllm_kvplugin.stats()
-            bad = generate(llm, [P2])[0]
-            after = vllm_kvplugin.stats()
-            monkeypatch.setattr(wmod.WorkerSide, "_fetch", orig)
-            assert bad.token_ids == want_p2
-            claimed = (len(P1) - 1) // CHUNK * CHUNK if path == "step" else BAD * CHUNK  # before its verdict: all
-            assert bad.num_cached_tokens == claimed  # vLLM's count is the claim's (0.26 and 0.32), not what loaded
-            assert after["hit_tokens"] - before["hit_tokens"] == claimed
-            assert after["loaded_tokens"] - before["loaded_tokens"] == BAD * CHUNK  # written: the verified ones
-            assert [t for _, t in probe.loads[-1:]] == [claimed]  # (every claimed target poisoned first)
-            assert after["load_failures"] == {"checksum": 1}
-            for i in range(3):  # the bad object was dropped, recomputed and stored again: full hits
-                for p, want in ((P2, want_p2), (P1, want_p)):
-                    probe.poison_all_blocks(seed=10 + i)
-                    r = generate(llm, [p])[0]
-                    assert r.token_ids == want, f"run {i}, {len(p)} tokens: a wrong chunk was stored"
-                    assert r.num_cached_tokens == (len(p) - 1) // CHUNK * CHUNK
-            assert vllm_kvplugin.stats()["load_failures"] == {"checksum": 1}
-            assert not probe.kv_mismatches and probe.kv_checked > 0
-        finally:
-            shutdown(llm)
-            if handle is not None and tier == "server":
-                handle.close()
 
 
 def test_a_hit_that_cannot_be_verified_is_not_claimed_again(qwen3_model, monkeypatch):

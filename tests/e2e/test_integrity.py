@@ -68,6 +68,25 @@ def _server_flip(probe, tokens, address):
     return flip, c
 
 
+def _wrong_during_one_fetch(monkeypatch, flip) -> None:
+    """The bytes ``flip`` changes are wrong while exactly one fetch reads and verifies them (with
+    the step's metadata, or from the lookup: ``_fetch_here``), then right again."""
+    from vllm_kvplugin.connector import worker as wmod
+
+    orig, calls = wmod.WorkerSide._fetch, []
+
+    def fetch_once_wrong(ws, req, *a, **k):
+        calls.append(req.req_id)
+        if len(calls) == 1:
+            flip()
+        try:
+            return orig(ws, req, *a, **k)
+        finally:
+            if len(calls) == 1:
+                flip()
+    monkeypatch.setattr(wmod.WorkerSide, "_fetch", fetch_once_wrong)
+
+
 def _outputs_a_step_late(monkeypatch) -> None:
     """vLLM's async scheduling (its default on a GPU; the CPU platform turns it off) hands a
     step's output to the connector only after the next step was scheduled: emulated here by
@@ -83,55 +102,56 @@ def _outputs_a_step_late(monkeypatch) -> None:
     monkeypatch.setattr(SchedulerSide, "update_connector_output", late)
 
 
-@pytest.mark.parametrize("tier", [  # the oldest lane: the local tier
-    "local", *(pytest.param(t, marks=pytest.mark.newest_lane) for t in ("server", "local-late-outputs"))])
-def test_transient_fault_poisons_nothing(qwen3_model, tier, request, monkeypatch):
+def not_alone(monkeypatch) -> None:
+    """No request is ever alone: its fetch goes with the step's metadata."""
+    from vllm_kvplugin.connector.scheduler_lone import LoneFetch
+
+    monkeypatch.setattr(LoneFetch, "_alone", lambda self, req_id: None)
+
+
+@pytest.mark.parametrize("tier,loads", [  # the oldest lane: the local tier, each way of loading
+    ("local", "sync"), ("local", "async"),
+    *(pytest.param(t, x, marks=pytest.mark.newest_lane)
+      for t, x in (("server", "sync"), ("local-late-outputs", "sync"), ("server", "async"), ("local", "async-lone")))])
+def test_transient_fault_poisons_nothing(qwen3_model, tier, loads, request, monkeypatch):
     """``local-late-outputs``: the worker's outputs reach the scheduler a step late (as under
     async scheduling), while its verdicts go straight to the scheduler: the object that failed
-    must still be dropped before the hit is claimed, or the request would never store it again."""
+    must still be dropped before the hit is claimed, or the request would never store it again.
+    ``async`` (``async_loads``, the fetch with the step's metadata): the whole hit is claimed before
+    its verdict, the load writes the chunks before BAD, and vLLM recomputes from BAD (its
+    ``num_cached_tokens`` is the claim's, 0.26 and 0.32).  ``async-lone``: on the CPU the host
+    hashes a lone fetch's few objects as the lookup starts it, so the verdict is in before the
+    claim, which covers the verified chunks only."""
     if tier == "local-late-outputs":
         _outputs_a_step_late(monkeypatch)
         tier = "local"
+    if loads == "async":
+        not_alone(monkeypatch)
+    claimed = (len(P) - 1) // CHUNK * CHUNK if loads == "async" else BAD * CHUNK
     want_p, want_p2 = _baseline(qwen3_model, BLOCK, [[P], [P2]], budget=CHUNK)
-    cfg = {"chunk_size": CHUNK}
+    cfg = {"chunk_size": CHUNK, "async_loads": loads != "sync"}
     srv = None
     if tier == "server":
         srv = request.getfixturevalue("server")
         cfg.update(cpu_bytes=0, server=srv.address)
     counters.STATS.reset()
-    from vllm_kvplugin.connector import worker as wmod
-
     handle = None
     with Probe().installed() as probe:
         llm = engine(qwen3_model, BLOCK, cfg, budget=CHUNK)
         try:
             assert generate(llm, [P])[0].token_ids == want_p
             flip, handle = _local_flip(probe, P) if tier == "local" else _server_flip(probe, P, srv.address)
-            orig, calls = wmod.WorkerSide._fetch, []
-
-            def fetch_once_wrong(ws, req, *a, **k):  # wrong bytes while exactly one fetch reads and verifies them
-                calls.append(req.req_id)  # (with the step's metadata, or from the lookup: _fetch_here)
-                if len(calls) == 1:
-                    flip()
-                try:
-                    return orig(ws, req, *a, **k)
-                finally:
-                    if len(calls) == 1:
-                        flip()
-
-            wmod.WorkerSide._fetch = fetch_once_wrong
-            try:
-                probe.poison_all_blocks(seed=1)
-                before = vllm_kvplugin.stats()
-                bad = generate(llm, [P2])[0]
-                after = vllm_kvplugin.stats()
-            finally:
-                wmod.WorkerSide._fetch = orig
+            _wrong_during_one_fetch(monkeypatch, flip)
+            probe.poison_all_blocks(seed=1)
+            before = vllm_kvplugin.stats()
+            bad = generate(llm, [P2])[0]
+            after = vllm_kvplugin.stats()
             assert bad.token_ids == want_p2
-            # only the verified prefix was claimed: a failed load is not a hit
-            assert bad.num_cached_tokens == BAD * CHUNK
-            assert after["hit_tokens"] - before["hit_tokens"] == BAD * CHUNK
+            # only the verified prefix was claimed (a failed load is not a hit), or written
+            assert bad.num_cached_tokens == claimed
+            assert after["hit_tokens"] - before["hit_tokens"] == claimed
             assert after["loaded_tokens"] - before["loaded_tokens"] == BAD * CHUNK
+            assert [t for _, t in probe.loads[-1:]] == [claimed]  # (every claimed target poisoned first)
             assert after["load_failures"] == {"checksum": 1}
             # the object that failed is gone from its tier at once (then stored again, recomputed)
             if tier == "local":
