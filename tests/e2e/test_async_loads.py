@@ -39,18 +39,14 @@ def _reported(monkeypatch) -> list[set[str]]:
     return seen
 
 
-def _path(monkeypatch, path: str) -> None:
-    if path == "step":
-        not_alone(monkeypatch)
-
-
 def _policy(llm) -> str:
     return llm.llm_engine.vllm_config.kv_transfer_config.kv_load_failure_policy
 
 
 @pytest.mark.parametrize("path", ["lone", pytest.param("step", marks=pytest.mark.newest_lane)])
 def test_an_async_hit_is_identical_to_recompute(qwen3_model, path, monkeypatch):
-    _path(monkeypatch, path)
+    if path == "step":
+        not_alone(monkeypatch)
     prompts = [prompt(n, seed=n + 7) for n in LENGTHS]
     want = _baseline(qwen3_model, BLOCK, [[p] for p in prompts], budget=CHUNK)
     counters.STATS.reset()
@@ -79,8 +75,7 @@ def test_a_hit_that_cannot_be_verified_is_not_claimed_again(qwen3_model, monkeyp
     starts it, so its verdict would come before the claim.)"""
     from vllm_kvplugin.chunk import checksums
 
-    _path(monkeypatch, "step")
-
+    not_alone(monkeypatch)
     p = prompt(4 * CHUNK + 3, seed=77)
     (want,) = _baseline(qwen3_model, BLOCK, [[p]], budget=CHUNK)
     counters.STATS.reset()
