@@ -105,3 +105,32 @@ def test_a_hit_that_cannot_be_verified_is_not_claimed_again(qwen3_model, monkeyp
             assert not probe.kv_mismatches
         finally:
             shutdown(llm)
+
+
+def test_a_verdict_that_raises_holds_up_nothing(qwen3_model, monkeypatch):
+    """Waiting for an asynchronous load's verdict raises inside ``get_finished``: nothing reaches
+    vLLM, the load is written from what was verified, and the output is right."""
+    from vllm_kvplugin.connector import worker_fetch as fmod
+
+    not_alone(monkeypatch)
+    p = prompt(3 * CHUNK + 9, seed=78)
+    (want,) = _baseline(qwen3_model, BLOCK, [[p]], budget=CHUNK)
+    counters.STATS.reset()
+    reported = _reported(monkeypatch)
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "async_loads": True}, budget=CHUNK)
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            raised = []
+
+            def failing(ws, *a, **k):
+                raised.append(1)
+                raise RuntimeError("injected: a verdict that cannot be waited for")
+            monkeypatch.setattr(fmod.FetchPath, "_await_verdicts", failing)
+            probe.poison_all_blocks(seed=5)
+            r = generate(llm, [p])[0]
+            assert raised and r.token_ids == want and r.num_cached_tokens == 3 * CHUNK
+            assert vllm_kvplugin.stats()["loaded_tokens"] == 3 * CHUNK and len(reported) == 1
+            assert not probe.kv_mismatches and probe.kv_checked > 0
+        finally:
+            shutdown(llm)

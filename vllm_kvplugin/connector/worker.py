@@ -310,11 +310,14 @@ class WorkerSide(FetchPath, StorePath):
             return set()
         rids = list(self._async_loads)
         with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
-            if self._idle:
-                self._await_verdicts(rids, time.monotonic() + IDLE_WAIT_S)
-                self._idle = False
-            else:
-                self._settle()
+            try:
+                if self._idle:
+                    self._await_verdicts(rids, time.monotonic() + IDLE_WAIT_S)
+                    self._idle = False
+                else:
+                    self._settle()
+            except Exception:  # never into vLLM: a verdict still due ends with async_timeout_s
+                logger.exception("vllm-kvplugin: verdicts of asynchronous loads could not be given")
             done, now = set(), time.monotonic()
             for rid in rids:
                 req, epoch, since = self._async_loads[rid]
