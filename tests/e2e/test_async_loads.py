@@ -11,6 +11,8 @@ blocks go to vLLM as failed, which recomputes from there, and every later reques
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from harness import Probe, engine, generate, prompt, seed_method, shutdown
 from test_cache_hits import _baseline
@@ -37,6 +39,25 @@ def _reported(monkeypatch) -> list[set[str]]:
         return done
     monkeypatch.setattr(wmod.WorkerSide, "finish_async_loads", finish)
     return seen
+
+
+@contextlib.contextmanager
+def _stored_in_step(model: str, monkeypatch, length: int, seed: int):
+    """An async-loads engine whose fetches go with the step's metadata (a lone fetch's few objects
+    are hashed as the lookup starts it, so its verdict would come before the claim), with one
+    prompt stored by its cold run: (engine, probe, prompt, its reference output, the reports)."""
+    not_alone(monkeypatch)
+    p = prompt(length, seed=seed)
+    (want,) = _baseline(model, BLOCK, [[p]], budget=CHUNK)
+    counters.STATS.reset()
+    reported = _reported(monkeypatch)
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "async_loads": True}, budget=CHUNK)
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            yield llm, probe, p, want, reported
+        finally:
+            shutdown(llm)
 
 
 def _policy(llm) -> str:
@@ -70,41 +91,28 @@ def test_an_async_hit_is_identical_to_recompute(qwen3_model, path, monkeypatch):
 def test_a_hit_that_cannot_be_verified_is_not_claimed_again(qwen3_model, monkeypatch):
     """Hashing fails for every fetch of one request (nothing known bad, so its objects stay): the
     asynchronous claim writes nothing, vLLM drops back to token 0 and asks again -- the range is
-    not claimed a second time (it would fail the same way, forever), the prompt is computed.  (The
-    fetch goes with the step's metadata: a lone fetch's few objects are hashed as the lookup
-    starts it, so its verdict would come before the claim.)"""
+    not claimed a second time (it would fail the same way, forever), the prompt is computed."""
     from vllm_kvplugin.chunk import checksums
 
-    not_alone(monkeypatch)
-    p = prompt(4 * CHUNK + 3, seed=77)
-    (want,) = _baseline(qwen3_model, BLOCK, [[p]], budget=CHUNK)
-    counters.STATS.reset()
-    reported = _reported(monkeypatch)
-    with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "async_loads": True}, budget=CHUNK)
-        try:
-            assert generate(llm, [p])[0].token_ids == want
-
-            def broken(self):
-                raise RuntimeError("hashing unavailable")
-            monkeypatch.setattr(checksums.StartedChecksums, "result", broken)
-            probe.poison_all_blocks(seed=3)
-            before = vllm_kvplugin.stats()
-            r = generate(llm, [p])[0]
-            after = vllm_kvplugin.stats()
-            monkeypatch.undo()
-            assert r.token_ids == want
-            assert r.num_cached_tokens == 0
-            assert after["hit_tokens"] - before["hit_tokens"] == 4 * CHUNK  # claimed once, not twice
-            assert after["loaded_tokens"] == before["loaded_tokens"]
-            assert after["load_failures"] == {"verify_error": 1}
-            assert len(reported) == 1
-            probe.poison_all_blocks(seed=4)  # the objects were never bad: the next request loads them
-            again = generate(llm, [p])[0]
-            assert again.token_ids == want and again.num_cached_tokens == 4 * CHUNK
-            assert not probe.kv_mismatches
-        finally:
-            shutdown(llm)
+    with _stored_in_step(qwen3_model, monkeypatch, 4 * CHUNK + 3, 77) as (llm, probe, p, want, reported):
+        def broken(self):
+            raise RuntimeError("hashing unavailable")
+        monkeypatch.setattr(checksums.StartedChecksums, "result", broken)
+        probe.poison_all_blocks(seed=3)
+        before = vllm_kvplugin.stats()
+        r = generate(llm, [p])[0]
+        after = vllm_kvplugin.stats()
+        monkeypatch.undo()
+        assert r.token_ids == want
+        assert r.num_cached_tokens == 0
+        assert after["hit_tokens"] - before["hit_tokens"] == 4 * CHUNK  # claimed once, not twice
+        assert after["loaded_tokens"] == before["loaded_tokens"]
+        assert after["load_failures"] == {"verify_error": 1}
+        assert len(reported) == 1
+        probe.poison_all_blocks(seed=4)  # the objects were never bad: the next request loads them
+        again = generate(llm, [p])[0]
+        assert again.token_ids == want and again.num_cached_tokens == 4 * CHUNK
+        assert not probe.kv_mismatches
 
 
 def test_a_verdict_that_raises_holds_up_nothing(qwen3_model, monkeypatch):
@@ -112,25 +120,15 @@ def test_a_verdict_that_raises_holds_up_nothing(qwen3_model, monkeypatch):
     vLLM, the load is written from what was verified, and the output is right."""
     from vllm_kvplugin.connector import worker_fetch as fmod
 
-    not_alone(monkeypatch)
-    p = prompt(3 * CHUNK + 9, seed=78)
-    (want,) = _baseline(qwen3_model, BLOCK, [[p]], budget=CHUNK)
-    counters.STATS.reset()
-    reported = _reported(monkeypatch)
-    with Probe().installed() as probe:
-        llm = engine(qwen3_model, BLOCK, {"chunk_size": CHUNK, "async_loads": True}, budget=CHUNK)
-        try:
-            assert generate(llm, [p])[0].token_ids == want
-            raised = []
+    with _stored_in_step(qwen3_model, monkeypatch, 3 * CHUNK + 9, 78) as (llm, probe, p, want, reported):
+        raised = []
 
-            def failing(ws, *a, **k):
-                raised.append(1)
-                raise RuntimeError("injected: a verdict that cannot be waited for")
-            monkeypatch.setattr(fmod.FetchPath, "_await_verdicts", failing)
-            probe.poison_all_blocks(seed=5)
-            r = generate(llm, [p])[0]
-            assert raised and r.token_ids == want and r.num_cached_tokens == 3 * CHUNK
-            assert vllm_kvplugin.stats()["loaded_tokens"] == 3 * CHUNK and len(reported) == 1
-            assert not probe.kv_mismatches and probe.kv_checked > 0
-        finally:
-            shutdown(llm)
+        def failing(ws, *a, **k):
+            raised.append(1)
+            raise RuntimeError("injected: a verdict that cannot be waited for")
+        monkeypatch.setattr(fmod.FetchPath, "_await_verdicts", failing)
+        probe.poison_all_blocks(seed=5)
+        r = generate(llm, [p])[0]
+        assert raised and r.token_ids == want and r.num_cached_tokens == 3 * CHUNK
+        assert vllm_kvplugin.stats()["loaded_tokens"] == 3 * CHUNK and len(reported) == 1
+        assert not probe.kv_mismatches and probe.kv_checked > 0
