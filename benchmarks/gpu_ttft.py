@@ -24,8 +24,6 @@ prompts in the same order:
   read, as before ``metadata.FIRST_PART_CHUNKS`` (not in the default set);
 * ``kvplugin-load-in-step`` - ``kvplugin`` whose lone hits are loaded from the step's metadata
   (``start_load_kv``), as before ``scheduler_lone.LOAD_AT_ALLOCATION`` (not in the default set);
-* ``kvplugin-async`` - ``kvplugin`` with ``async_loads``: a hit claimed as soon as it is looked
-  up, loaded while vLLM holds the request (not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``kvplugin-server-threaded`` - ``kvplugin-server`` whose lone requests' lookups go to the index's
   thread, as before ``scheduler_lone.LOOKUP_HERE`` (not in the default set);
@@ -103,8 +101,6 @@ def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
         extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode.startswith("kvplugin-server") else host_bytes}
         if mode == "kvplugin-noverify":  # what the payload checksums cost
             extra["verify_checksums"] = False
-        if mode == "kvplugin-async":
-            extra["async_loads"] = True
         if server:
             extra["server"] = server
         return KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
@@ -150,7 +146,7 @@ def mode_knobs(mode: str) -> None:
         cuda.DMA_WINDOW = int(mode[len("kvplugin-w"):])
     if mode == "kvplugin-held":  # every hit held back a step for its verdict, a lone one too
         from vllm_kvplugin.connector.scheduler import SchedulerSide
-        SchedulerSide._fetch_here = lambda self, req, more=None, wait=True: None
+        SchedulerSide._fetch_here = lambda self, req, more=None: None
     if mode == "kvplugin-gc-late":  # no collection in a lone fetch's wait
         from vllm_kvplugin.connector import worker_fetch
         worker_fetch.GC_IN_FETCH_MIN_BYTES = 1 << 62
@@ -397,7 +393,6 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, 
                                                                            "kvplugin-server"),
                              "server_nowake_over_server_above_own_hit": ("kvplugin-server-nowake",
                                                                          "kvplugin-server"),
-                             "async_over_sync_above_own_hit": ("kvplugin-async", "kvplugin"),
                              "vllm_offloading_over_kvplugin_above_own_hit": ("vllm-offloading", "kvplugin")}.items():
             if a in above and b in above:
                 each = [x / y for x, y in zip(above[a], above[b])]

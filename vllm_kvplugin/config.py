@@ -89,15 +89,6 @@ FIELDS: tuple[FieldDoc, ...] = (
              "its prefix cache) or `recompute` (vLLM recomputes it but keeps the blocks the load "
              "never wrote in its prefix cache meanwhile, where a request sharing the prefix can "
              "read them: not recommended). vLLM's `kv_load_failure_policy`."),
-    FieldDoc("async_loads", (bool,), False,
-             "A model of one KV cache group (attention or MLA: not hybrid, no speculative drafter's "
-             "group): a hit is claimed as soon as it is looked up and loaded while vLLM holds its "
-             "request (vLLM's asynchronous KV loads), so vLLM allocates its blocks during the copy; "
-             "the verified chunks are written as soon as they are in, and those that fail "
-             "verification are reported to vLLM, which recomputes from the first of them. vLLM's "
-             "`kv_load_failure_policy` is then `recompute` whatever `load_failure_policy` says: no "
-             "load of such an engine is synchronous, so no block a load never wrote reaches vLLM's "
-             "prefix cache. Off, or for other models: a hit is claimed once its bytes are verified."),
 )
 _BY_KEY = {f.key: f for f in FIELDS}
 
@@ -124,7 +115,6 @@ class KVPluginConfig:
     model_id: str | None = None
     state_interval: int = 1
     load_failure_policy: str = "fail"
-    async_loads: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVPluginConfig:

@@ -154,8 +154,6 @@ def test_vllm_reads_the_field_after_creating_the_scheduler_connector():
 
 
 class _StubSide:
-    async_loads = False  # (the scheduler half's answer: hits claimed once verified)
-
     def __init__(self, *args, **kwargs):
         self.args = args
 
@@ -199,16 +197,3 @@ def test_connector_applies_the_override(connector_cls, role_name, extra, expecte
     else:
         assert got == before, (f"vLLM {version} is outside the override's versions "
                                f"({o['vllm_versions']}) but the connector changed it to {got!r}")
-
-
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_an_engine_whose_every_load_is_asynchronous_recomputes(connector_cls, monkeypatch, policy):
-    """Where the scheduler half claims every hit asynchronously (``async_loads`` on a model of one
-    KV cache group), vLLM's policy is "recompute" whatever ``load_failure_policy`` says: no
-    load of that engine is synchronous, so no block a load never wrote reaches the prefix cache."""
-    from vllm_kvplugin.adapters.api import KVConnectorRole
-
-    monkeypatch.setattr(_StubSide, "async_loads", True)
-    cfg = _fake_vllm_config({"load_failure_policy": policy, "async_loads": True})
-    connector_cls(cfg, KVConnectorRole.SCHEDULER, None)
-    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"

@@ -254,11 +254,8 @@ class Probe:
             self.cold_kv[(job.group, job.key)] = t.clone()
 
     def _compare_loaded(self, ws, req) -> None:
-        """What the load left in the target blocks vs the KV computed for those tokens (of an
-        asynchronous load, the jobs it wrote: the others' blocks are reported to vLLM, which
-        recomputes them)."""
-        jobs = [j for j in req.jobs if not ws._invalid_blocks.intersection(j.block_ids)]
-        for job, t in zip(jobs, self._read(ws, jobs)):
+        """What the load left in the target blocks vs the KV computed for those tokens."""
+        for job, t in zip(req.jobs, self._read(ws, req.jobs)):
             want = self.cold_kv.get((job.group, job.key))
             if want is None:
                 continue

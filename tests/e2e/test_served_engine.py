@@ -28,17 +28,13 @@ CHUNK, BLOCK = 32, 32
 HIT = 24 * CHUNK
 
 
-@pytest.mark.parametrize("loads", ["sync", "async"])
-def test_a_served_engine_hits_through_the_server(qwen3_model, monkeypatch, loads):
-    """``async``: the connector's ``async_loads`` (the request parked in vLLM's
-    WAITING_FOR_REMOTE_KVS while the worker process loads it, reported through vLLM's output)."""
+def test_a_served_engine_hits_through_the_server(qwen3_model, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     p = prompt(HIT + 5, seed=29)
     with tempfile.TemporaryDirectory(prefix="kvs-served-", dir="/tmp") as d:
         srv = ServerProc(d, "--l1-bytes", "256MiB", "--l2-dir", os.path.join(d, "l2")).start()
         try:
-            connector = {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address, "server_step_timeout_s": 0.5,
-                         "async_loads": loads == "async"}
+            connector = {"chunk_size": CHUNK, "cpu_bytes": 0, "server": srv.address, "server_step_timeout_s": 0.5}
             (cold, warm), (after_cold, after_warm) = serve_alone(qwen3_model, connector, [p, p], BLOCK)
         finally:
             srv.stop()

@@ -53,10 +53,10 @@ def _watch_verdicts(monkeypatch, hash_one, after_meta=None) -> list[tuple[str, i
         return verdict(self, rid, ranks, good, serial)
     fetch_here = smod.SchedulerSide._fetch_here
 
-    def here(self, req, more=None, **kw):  # a lone request's fetch, from its lookup (before its hashes start)
+    def here(self, req, more=None):  # a lone request's fetch, from its lookup (before its hashes start)
         at = len(events)
         events.append(("fetch", 0))
-        done = fetch_here(self, req, more, **kw)
+        done = fetch_here(self, req, more)
         if done is None:  # not fetched there: with the step's metadata
             del events[at]
         return done

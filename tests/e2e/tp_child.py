@@ -135,7 +135,6 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", required=True)
     ap.add_argument("--server", default="")
     ap.add_argument("--faults", action="store_true", help="lengths are P, P+ext, Q, Q+ext: fault runs")
-    ap.add_argument("--async-loads", action="store_true", help="the connector's async_loads")
     args = ap.parse_args()
 
     from harness import engine, generate, shutdown
@@ -153,7 +152,7 @@ def main() -> None:
     finally:
         shutdown(base)
 
-    cfg = {"chunk_size": args.chunk, "cpu_bytes": 0 if args.server else 256 << 20, "async_loads": args.async_loads}
+    cfg = {"chunk_size": args.chunk, "cpu_bytes": 0 if args.server else 256 << 20}
     if args.server:
         cfg["server"] = args.server
     llm = engine(args.model, args.block, cfg, **tp)

@@ -79,12 +79,6 @@ def test_seed_method_on_gpu(model, backend):
     _seed_method_on_gpu(model, backend, {"cpu_bytes": 2 << 30})
 
 
-def test_seed_method_on_gpu_async_loads(model):
-    """Every hit claimed at once and loaded while vLLM holds its request (``async_loads``)."""
-    s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30, "async_loads": True})
-    assert s["lone_fetches"] > 0 and s["loaded_tokens"] > 0, s
-
-
 def test_seed_method_on_gpu_through_the_server(model, server):
     """The in-process tier off: every hit comes from the server process's pool."""
     s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 0, "server": server.address})
@@ -130,16 +124,15 @@ def test_gdn_hybrid_on_gpu(monkeypatch):
     test_hybrid_hit_is_identical_to_recompute(case)
 
 
-@pytest.mark.parametrize("tier,loads", [("local", "sync"), ("server", "sync"), ("local", "async")])
-def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tmp_path, tier, loads, monkeypatch):
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tmp_path, tier, monkeypatch):
     """One byte of a stored chunk's object flipped in its tier (the in-process pool, or the
     server's shared pool): the hit's digests, computed on the device over the bytes that
     landed -- no host hash of it runs -- refuse that chunk; only the prefix before it is
     served, the object is dropped, the output is right on poisoned KV, and the next runs
     (stored again) hit in full.  The lone hit of 8 chunks is sent in two prefetches of 4 from
     either tier (the scheduler splits a local hit, the worker a server one) and scattered by
-    one load.  ``async``: the hit is claimed before its verdict (``async_loads``); the load writes
-    the chunks before the bad one and vLLM recomputes from it."""
+    one load."""
     import test_integrity
     from test_integrity import _local_flip, _server_flip
 
@@ -156,8 +149,7 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
     finally:
         shutdown(base)
     srv = ServerProc(str(tmp_path), "--l1-bytes", "2GiB").start() if tier == "server" else None
-    cfg = {"chunk_size": CHUNK, **({"cpu_bytes": 0, "server": srv.address} if srv else {"cpu_bytes": 1 << 30}),
-           "async_loads": loads == "async"}
+    cfg = {"chunk_size": CHUNK, **({"cpu_bytes": 0, "server": srv.address} if srv else {"cpu_bytes": 1 << 30})}
     counters.STATS.reset()
     hashed_on_host = []
     orig = fmod.start_payload_checksums
@@ -168,11 +160,11 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
         [len(r) for _, r in staged or ()]) or load(eng, *a, staged=staged))
     try:
         with Probe().installed() as probe:
-            llm = engine(model, BLOCK, cfg, **kw)
+            llm, client = engine(model, BLOCK, cfg, **kw), None
             try:
                 assert probe.worker.engine.digests
                 assert generate(llm, [p])[0].token_ids == want_p
-                flip, _ = _local_flip(probe, p) if srv is None else _server_flip(probe, p, srv.address)
+                flip, client = _local_flip(probe, p) if srv is None else _server_flip(probe, p, srv.address)
                 flip()
                 probe.poison_all_blocks(seed=1)
                 rows.clear()
@@ -181,9 +173,7 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
                 assert rows[:2] == [4, 4] and scatters[0] == [bad], (rows, scatters)  # (bad < 4: all from the first)
                 s = vllm_kvplugin.stats()
                 assert r.token_ids == want_p2
-                # (claimed before the verdict, vLLM counts the whole claim: 8 chunks)
-                assert r.num_cached_tokens == (bad if loads == "sync" else 8) * CHUNK
-                assert s["loaded_tokens"] == bad * CHUNK
+                assert r.num_cached_tokens == bad * CHUNK and s["loaded_tokens"] == bad * CHUNK
                 assert s["load_failures"] == {"checksum": 1}
                 if srv is None:
                     assert s["dropped_objects"] == 1
@@ -195,9 +185,11 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
                 assert vllm_kvplugin.stats()["load_failures"] == {"checksum": 1}
                 assert not probe.kv_mismatches and probe.kv_checked > 0, probe.kv_mismatches
                 assert hashed_on_host == [], "the host hashed a hit the device should have verified"
-                print(f"GPU LANE corrupt object ({tier}, {loads}): refused on the device; stats {vllm_kvplugin.stats()}")
+                print(f"GPU LANE corrupt object ({tier}): refused on the device; stats {vllm_kvplugin.stats()}")
             finally:
                 shutdown(llm)
+                if srv is not None and client is not None:
+                    client.close()  # (its heartbeat thread would outlive the test)
     finally:
         if srv is not None:
             srv.stop()
@@ -451,8 +443,8 @@ def test_seed_method_on_gpu_compiled_with_cuda_graphs(model):
 SLOW_SCATTER_CYCLES = 200_000_000
 
 
-@pytest.mark.parametrize("graphs,loads", [("eager", "sync"), ("full-decode", "sync"), ("full-decode", "async")])
-def test_the_forward_waits_for_a_slow_load(model, graphs, loads, monkeypatch):
+@pytest.mark.parametrize("graphs", ["eager", "full-decode"])
+def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
     """However late a load's scatter runs on the device, the forward that reads its blocks comes
     after it: every scatter waits ~0.1 s behind a sleep kernel on the plugin's kernel stream,
     while the load's target blocks hold noise (the probe's poison) and the seeds' method
@@ -460,8 +452,7 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, loads, monkeypatch):
     event, eager and when vLLM's ``FULL_DECODE_ONLY`` graphs replay the hit's one-token step (no
     hook of the connector runs in a replay).  A lone hit is loaded at its allocation, vLLM's
     input preparation (~4 ms) before its forward: on time, the scatter is done long before, and
-    a missing wait would not show.  ``async``: the scatter is issued from ``get_finished`` of the
-    step before the hit's forward (``async_loads``)."""
+    a missing wait would not show."""
     from vllm_kvplugin.transfer import cuda as cmod
 
     scatter, delayed = cmod.CudaTransfer._scatter, []
@@ -475,8 +466,7 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, loads, monkeypatch):
     kw = {} if graphs == "eager" else {
         "enforce_eager": False,
         "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}}
-    s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30, "async_loads": loads == "async"},
-                            reference="recompute", **kw)
+    s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, reference="recompute", **kw)
     assert s["lone_fetches"] > 0 and s["loaded_tokens"] > 0, s
     assert len(delayed) > len(LENGTHS), len(delayed)  # the warm-up's scatter, then every hit's
 

@@ -37,13 +37,11 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvplugin.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg)
-            if self._sched.async_loads:  # every load asynchronous: its failed blocks are never cached
-                vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
-            elif self._cfg.load_failure_policy == "recompute":
+            if self._cfg.load_failure_policy == "recompute":
                 logger.warning("vllm-kvplugin: load_failure_policy 'recompute': should a copy fail after its "
                                "hit was claimed, vLLM keeps the blocks it never wrote in its prefix cache until "
                                "the request has recomputed them, and a request sharing the prefix can read them")
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg)
         else:
             from vllm_kvplugin.connector.worker import WorkerSide
 
@@ -114,9 +112,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.store(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # every step, after the forward and before get_block_ids_with_load_errors (all versions)
-        done = self._worker.finish_async_loads() if self._worker is not None and self._worker.engine is not None else None
-        return None, done or None
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid_blocks() if self._worker is not None else set()

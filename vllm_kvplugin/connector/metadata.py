@@ -14,13 +14,6 @@ A hit takes two steps (DESIGN.md rule 7, "verify before claim"):
 2. :class:`LoadRequest` -- only after every rank verified them does the scheduler
    claim the tokens; the workers then copy the verified bytes into the KV cache
    before the step's forward.  Nothing can depend on bytes that were not verified.
-
-With ``async_loads`` (a model of one KV cache group) both go together: the hit is claimed
-asynchronously as soon as it is planned, its :class:`LoadRequest` (``asynchronous``) comes with
-the :class:`FetchRequest` or after it, and each worker writes the objects its fetch verified once
-the verdict is in, reports the blocks of the others as failed and the request as finished
-(``get_finished``).  vLLM runs no forward over those blocks before that report, and recomputes
-the failed ones.
 """
 
 from __future__ import annotations
@@ -88,10 +81,6 @@ class LoadRequest:
     jobs: list[LoadJob]
     expected_bytes: tuple[int, ...]  # per group, from the planner
     num_tokens: int  # the tokens vLLM counts as loaded
-    #: claimed before its bytes were verified (``async_loads``): the worker writes what its fetch
-    #: verified once the verdict is in, reports the blocks of the rest to vLLM and the request
-    #: as finished (``get_finished``); vLLM runs no forward over the blocks until then
-    asynchronous: bool = False
 
 
 @dataclass
@@ -175,15 +164,12 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
     stores_cancelled: dict[str, int] = field(default_factory=dict)
     #: chunk key -> store jobs of it that ended (stored, failed or cancelled), summed over ranks
     store_done: dict[bytes, int] = field(default_factory=dict)
-    #: asynchronous loads that wrote less than was claimed: req id -> first position not written
-    #: (its blocks went to vLLM as failed: it recomputes them, and no forward read them before)
-    load_short: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPluginWorkerMeta:
         assert isinstance(other, KVPluginWorkerMeta)
         out = KVPluginWorkerMeta(dict(self.stored), dict(self.store_failed), dict(self.fetched),
                                  dict(self.bad_slots), dict(self.loads_done), dict(self.load_failed),
-                                 dict(self.stores_cancelled), dict(self.store_done), dict(self.load_short))
+                                 dict(self.stores_cancelled), dict(self.store_done))
         for mine, theirs in ((out.stored, other.stored), (out.store_failed, other.store_failed),
                              (out.loads_done, other.loads_done), (out.store_done, other.store_done)):
             for k, v in theirs.items():
@@ -192,7 +178,7 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
             r0, g0 = out.fetched.get(k, (0, good))
             out.fetched[k] = (r0 + ranks, min(g0, good))
         for mine, theirs in ((out.load_failed, other.load_failed),
-                             (out.stores_cancelled, other.stores_cancelled), (out.load_short, other.load_short)):
+                             (out.stores_cancelled, other.stores_cancelled)):
             for k, v in theirs.items():
                 mine[k] = min(mine.get(k, v), v)
         for k, v in other.bad_slots.items():
@@ -201,4 +187,4 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
 
     def is_empty(self) -> bool:
         return not (self.stored or self.store_failed or self.fetched or self.bad_slots or self.loads_done
-                    or self.load_failed or self.stores_cancelled or self.store_done or self.load_short)
+                    or self.load_failed or self.stores_cancelled or self.store_done)

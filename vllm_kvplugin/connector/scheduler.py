@@ -28,13 +28,6 @@ So no step ever computes over blocks a failed load did not write.  Should a load
 fail anyway after its claim (a copy error), vLLM recomputes its blocks, the
 workers drop every store of that step, and this side moves ``stored_upto`` back
 and bumps the metadata epoch so that no store computed over those blocks lands.
-
-With ``async_loads`` (:func:`async_loads_apply`: a model of one KV cache group) every hit is
-claimed as soon as it is planned, asynchronously: vLLM allocates its blocks and holds the
-request until every worker reports its load (written from the verified objects only, the
-blocks of the others reported as failed: vLLM recomputes them, ``kv_load_failure_policy``
-"recompute"), and no forward reads those blocks before.  A chunk a load could not write is
-never claimed again for that request (``RequestTracker.short_at``).
 """
 
 from __future__ import annotations
@@ -91,16 +84,6 @@ LOOKUP_GRACE_S = 0.002
 MISS_REUSE_S = 1.0
 
 
-def async_loads_apply(cfg: KVPluginConfig, groups) -> bool:
-    """Whether an engine of these KV cache groups claims every hit asynchronously: ``async_loads``
-    set, and one group that restores a prefix (attention, MLA).  Only there can vLLM take a failed
-    load's blocks and recompute them for every version of the matrix (hybrid engines end in an
-    error on 0.26-0.29 and 0.31-0.33: ``compat/async_loads.md``), and only where no hit is claimed
-    synchronously is vLLM's ``recompute`` policy safe (its failed synchronous blocks stay in its
-    prefix cache).  The connector sets that policy from this answer."""
-    return cfg.async_loads and len(groups) == 1 and groups[0].restores_prefix and not groups[0].drafter
-
-
 def _server_job(key: bytes, o: ObjectLoad, found: Lookup) -> FetchJob:
     """The job of planned object ``o`` of server hit ``found``, placed where the lookup said."""
     where = found.resolved.get((o.group, o.position))
@@ -135,10 +118,6 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         #: bytes one object occupies on the server, per group (every rank, header included)
         self.server_object_bytes = [self.world_size * (HEADER_SIZE + n) for n in object_bytes]
         self.fetch_timeout_s = 2 * cfg.server_timeout_s + 5.0
-        #: every hit claimed before its bytes are verified and loaded while vLLM holds the request
-        #: (``async_loads``: only where nothing else is claimed synchronously, see
-        #: :func:`async_loads_apply`)
-        self.async_loads = async_loads_apply(cfg, self.groups)
         #: how long a lookup waits for this engine's own stores of the prompt to land
         self.store_wait_s = 2.0
         self._storing: dict[bytes, int] = {}  # chunk key -> store acknowledgements still due
@@ -152,14 +131,12 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         self._store_acks: dict[tuple[int, int], tuple[int, bool]] = {}  # (group, slot) -> acks, any failed
         self._slot_chunk: dict[tuple[int, int], int] = {}
         self._started: set[str] = set()  # requests scheduled and not finished (any of them)
-        self._loading: set[str] = set()  # requests whose asynchronous load not every rank reported
         self._holding = False  # this step's scheduling held a request back for this connector
         self._fetches = 0  # fetches issued (their serials)
         self._grace_left = LOOKUP_GRACE_S  # of this step's wait for server lookups
         self._verdicts = open_box(_common.engine_id(vllm_config))  # a one-process engine's verdicts
-        logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s; hits "
-                    "claimed %s", self.chunk_size, num_slots, "; ".join(g.describe() for g in self.groups),
-                    "at once and loaded asynchronously" if self.async_loads else "once verified")
+        logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s",
+                    self.chunk_size, num_slots, "; ".join(g.describe() for g in self.groups))
 
     # ------------------------------------------------------------------ lookups
     def _tracker(self, request: Any) -> RequestTracker | None:
@@ -197,7 +174,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             counters.SCHEDULER.add(lookup_requests=1, lookup_tokens=tr.prompt_len)
         f = tr.fetch
         now = time.monotonic()
-        if f is not None and f.good < 0 and not self.async_loads:
+        if f is not None and f.good < 0:
             if now - f.issued <= self.fetch_timeout_s:
                 return None, False  # the workers are verifying: ask again next step
             logger.warning("vllm-kvplugin: %s: no verdict on its hit after %.0f s; the prompt is computed",
@@ -205,7 +182,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             counters.SCHEDULER.add(fetch_timeouts=1)
             self._drop_fetch(tr)
             return 0, False
-        if f is not None and f.lease and self.server is not None and now - (f.verified_at or f.issued) > 0.5 * self.server.lease_s:
+        if f is not None and f.lease and self.server is not None and now - f.verified_at > 0.5 * self.server.lease_s:
             self._drop_fetch(tr)  # its lease may lapse before the load: look up again
             f = None
         if f is not None:
@@ -221,33 +198,29 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                 return 0, False
         self._fetches += 1
         tr.fetch, fetch.serial = fetch, self._fetches
-        here = self._fetch_here(FetchRequest(tr.req_id, fetch.jobs, fetch.serial), rest,
-                                wait=not self.async_loads)
+        here = self._fetch_here(FetchRequest(tr.req_id, fetch.jobs, fetch.serial), rest)
         if rest is not None:
             rest()  # (the worker asked for it once the first part was on its way, unless it gave up before)
         if here is None:
             self._pending_fetches.append(FetchRequest(tr.req_id, fetch.jobs, fetch.serial))  # fetched in this step
         elif here:
             self._take_verdicts()
-        if fetch.good >= 0 or self.async_loads:
-            return self._claim(tr, fetch, num_computed_tokens)
+            if fetch.good >= 0:
+                return self._claim(tr, fetch, num_computed_tokens)
         return None, False
 
     def _claim(self, tr: RequestTracker, f: Fetch, num_computed_tokens: int) -> tuple[int, bool]:
-        """The tokens of ``f``'s verified objects that load after ``num_computed_tokens`` -- with
-        :attr:`async_loads`, of its objects verified or still being verified (the load writes the
-        verified ones, ``LoadRequest.asynchronous``), claimed asynchronously."""
-        whole = f.good == len(f.jobs) or (self.async_loads and f.good < 0)
-        if whole and num_computed_tokens == f.plan.start:
-            tr.plan = f.plan  # nothing failed and nothing new computed: planned again, it is the same
+        """The tokens of ``f``'s verified objects that load after ``num_computed_tokens``."""
+        if f.good == len(f.jobs) and num_computed_tokens == f.plan.start:
+            tr.plan = f.plan  # every object verified and nothing new computed: planned again, it is the same
         else:
-            usable = f.verified() if f.good >= 0 else {(j.position, j.group) for j in f.jobs}
+            verified = f.verified()
             tr.plan = plan_load(tr.prompt_len, num_computed_tokens, self.chunk_size, self.groups,
-                                lambda pos, g: (pos, g) in usable, self._limit(tr))
+                                lambda pos, g: (pos, g) in verified, self._limit(tr))
         if tr.plan is None:
             self._drop_fetch(tr)
             return 0, False
-        return tr.plan.num_tokens, self.async_loads
+        return tr.plan.num_tokens, False
 
     def _wait_for_a_lookup(self) -> None:
         """In a step that scheduled no tokens: wait, up to :data:`IDLE_WAIT_S` with the GIL
@@ -353,10 +326,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         return jobs
 
     def _limit(self, tr: RequestTracker) -> int:
-        """The largest hit, in chunks, a prompt may have (one less with a drafter group; never
-        past a chunk an asynchronous load of the request could not write)."""
-        most = max_loadable_tokens(tr.prompt_len, self.chunk_size) // self.chunk_size - self.drafter
-        return max(0, min(most, tr.short_at))
+        """The largest hit, in chunks, a prompt may have (one less with a drafter group)."""
+        return max(0, max_loadable_tokens(tr.prompt_len, self.chunk_size) // self.chunk_size - self.drafter)
 
     def _drop_fetch(self, tr: RequestTracker) -> None:
         """Give up a fetch: unpin, release, and tell the workers to forget what they verified."""
@@ -398,11 +369,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                         self.groups[o.group].object_blocks(block_ids[o.group], o.position, self.chunk_size, plan.end),
                         o.lo, o.hi)
                 for o in plan.objects]
-        load = LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens, asynchronous=self.async_loads)
-        if self.async_loads:  # written once verified, from the metadata (the worker's get_finished)
-            self._loading.add(tr.req_id)
-            self._pending_loads.append(load)
-        elif not self._load_here(load):
+        load = LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens)
+        if not self._load_here(load):
             self._pending_loads.append(load)
         served = sum(self.server_object_bytes[j.group] for j in f.jobs) if f.lease else 0
         self._holds[tr.req_id] = (f.pins, f.lease, served)
@@ -430,7 +398,7 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         self._started.update(resumed)
         # nothing scheduled, no batch of an asynchronous scheduler in flight (whose output a wait
         # would hold back: any request started and not finished may be in one), a request held back
-        idle = so.total_num_scheduled_tokens == 0 and not self._started and (self._holding or bool(self._loading))
+        idle = so.total_num_scheduled_tokens == 0 and not self._started and self._holding
         meta = KVPluginMetadata(fetches=self._pending_fetches, loads=self._pending_loads,
                                 forget=self._forget, epoch=self.epoch, fingerprint=self.fingerprint, idle=idle)
         if idle:
@@ -539,22 +507,16 @@ class SchedulerSide(StoreDecisions, LoneFetch):
                 self._load_acks[rid] = acks
                 continue
             self._load_acks.pop(rid, None)
-            self._loading.discard(rid)
             pins, lease, served = self._holds.pop(rid, ([], 0, 0))
             for g, slot in pins:
                 self.local[g].unpin(slot)
             self._release(lease, served)
         if meta.load_failed:
             self.epoch += 1  # workers drop the stores of older metadata: computed over unloaded blocks
-        for rid, pos in [*meta.stores_cancelled.items(), *meta.load_failed.items(), *meta.load_short.items()]:
+        for rid, pos in [*meta.stores_cancelled.items(), *meta.load_failed.items()]:
             tr = self._reqs.get(rid)
             if tr is not None:  # stored again once recomputed
                 tr.stored_upto = min(tr.stored_upto, pos)
-        for rid, pos in meta.load_short.items():
-            tr = self._reqs.get(rid)
-            if tr is not None:  # vLLM recomputes from there: never claimed again, sent to the server again
-                tr.short_at = min(tr.short_at, pos)
-                tr.server_hits = min(tr.server_hits, pos)
 
     def _settle_stores(self, stored, store_failed) -> None:
         """A slot is committed once every rank reported on it: READY if none failed, else freed."""

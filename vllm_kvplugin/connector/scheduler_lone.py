@@ -86,14 +86,12 @@ class LoneFetch:
             return None  # (requests looked up and not finished: running, or waiting as this one)
         return self._verdicts.fetcher()
 
-    def _fetch_here(self, req: FetchRequest, more: Callable[[], list[FetchJob]] | None = None,
-                    wait: bool = True) -> bool | None:
+    def _fetch_here(self, req: FetchRequest, more: Callable[[], list[FetchJob]] | None = None) -> bool | None:
         """When ``req``'s request is alone (see the module's docstring): the worker half fetches
         and verifies ``req`` now, on this thread, and the verdict is waited for up to
         :data:`LONE_FETCH_WAIT_S` -- the hit is then claimed in this step instead of the next (a
         step boundary and the verdict's hand-off between threads saved).  ``more``: the rest of
-        the hit, looked up once ``req``'s objects are on their way (``fetch_now``).  Not
-        ``wait`` (a hit claimed asynchronously): the fetch is only started.
+        the hit, looked up once ``req``'s objects are on their way (``fetch_now``).
 
         True: the verdict is in the box.  False: the fetch is under way, its verdict comes
         later.  None: not done here (the workers fetch it with this step's metadata, as with
@@ -102,7 +100,7 @@ class LoneFetch:
         if fetch_now is None:
             return None
         t0 = time.monotonic()
-        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S if wait else 0.0, more)
+        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S, more)
         if done is not None:
             counters.SCHEDULER.add(lone_fetches=1, lone_fetch_wait_s=time.monotonic() - t0)
             # an earlier fetch of the request, given up this step, was forgotten there first

@@ -45,5 +45,4 @@ class RequestTracker:
     server_lookup: Any = None  # the server lookup in flight (a Future)
     server_lookup_first: int = 0  # the chunk it asked from (its lease pins nothing below it)
     server_answered_at: float | None = None  # when its last answer came back with nothing worth a lease
-    short_at: int = 1 << 62  # the first chunk an asynchronous load could not write: never claimed again
     unkeyed: Any = None  # (ids, key extras) while only the first chunks are keyed (a lone request's lookup)

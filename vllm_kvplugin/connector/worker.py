@@ -13,9 +13,7 @@ on a copy error: its blocks are then reported to vLLM (by default vLLM ends the
 request with an error and drops the blocks from its prefix cache:
 ``load_failure_policy``), and every store of the step and of later metadata up
 to the scheduler's next epoch is dropped (computed over blocks the load never
-wrote).  An asynchronous load (``async_loads``) waits for its fetch's verdict instead, writes
-what was verified and reports the rest's blocks and the request from ``get_finished``
-(:meth:`WorkerSide.finish_async_loads`).  Nothing here may crash the engine or serve doubtful KV.  Stores are
+wrote).  Nothing here may crash the engine or serve doubtful KV.  Stores are
 :class:`~vllm_kvplugin.connector.worker_stores.StorePath`'s.
 """
 
@@ -47,7 +45,6 @@ from vllm_kvplugin.config import KVPluginConfig
 from vllm_kvplugin.connector import finisher
 from vllm_kvplugin.connector.finisher import StoreFinisher
 from vllm_kvplugin.connector.metadata import (
-    IDLE_WAIT_S,
     KVPluginMetadata,
     KVPluginWorkerMeta,
     LoadJob,
@@ -146,10 +143,6 @@ class WorkerSide(FetchPath, StorePath):
         self._idle = False  # the bound step schedules no tokens (KVPluginMetadata.idle)
         self._progress = threading.Event()  # set when a fetch's hashes or a store are done
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
-        #: asynchronous loads not written yet: req id -> (load, its metadata's epoch, when it came)
-        self._async_loads: dict[str, tuple[LoadRequest, int, float]] = {}
-        #: how long an asynchronous load waits for its fetch's verdict before nothing of it is written
-        self.async_timeout_s = 2 * cfg.server_timeout_s + 5.0
         self._attached = False  # fetch_now is in the scheduler half's box
 
     # ------------------------------------------------------------- registration
@@ -263,10 +256,7 @@ class WorkerSide(FetchPath, StorePath):
         for fetch in meta.fetches:
             self._fetch(fetch)
         for req in meta.loads:
-            if req.asynchronous:  # written once its fetch's verdict is in (finish_async_loads)
-                self._async_loads[req.req_id] = (req, meta.epoch, time.monotonic())
-            else:
-                self._load(req, meta.epoch)
+            self._load(req, meta.epoch)
 
     def _box(self):
         """The scheduler half's box when it is in this process and the engine has one rank (else
@@ -296,67 +286,10 @@ class WorkerSide(FetchPath, StorePath):
         with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
             self._load(req, epoch)
 
-    def finish_async_loads(self) -> set[str]:
-        """From vLLM's ``get_finished``, every step, on vLLM's thread (after the step's forward, if
-        any): each asynchronous load whose fetch has its verdict (or that waited
-        :attr:`async_timeout_s` for it) is written -- the objects its fetch verified, the blocks
-        of the rest reported to vLLM in this step's ``get_block_ids_with_load_errors`` -- and
-        returned as finished: vLLM promotes the request in a later step, whose forward waits for
-        the scatter (the compute stream waits on it).  Every load is reported once by this rank,
-        also a request vLLM aborted meanwhile (it keeps the blocks until then).  In a step that
-        scheduled nothing (:attr:`KVPluginMetadata.idle`) the verdicts are waited for first, up
-        to :data:`IDLE_WAIT_S`; the step then waits no more in :meth:`take_meta`."""
-        if not self._async_loads:
-            return set()
-        rids = list(self._async_loads)
-        with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
-            try:
-                if self._idle:
-                    self._await_verdicts(rids, time.monotonic() + IDLE_WAIT_S)
-                    self._idle = False
-                else:
-                    self._settle()
-            except Exception:  # never into vLLM: a verdict still due ends with async_timeout_s
-                logger.exception("vllm-kvplugin: verdicts of asynchronous loads could not be given")
-            done, now = set(), time.monotonic()
-            for rid in rids:
-                req, epoch, since = self._async_loads[rid]
-                if rid in self._verifying:
-                    if now - since <= self.async_timeout_s:
-                        continue
-                    logger.warning("vllm-kvplugin: %s: no verdict on its hit after %.0f s; its blocks are "
-                                   "recomputed", rid, now - since)
-                    counters.WORKER.failure("verify_timeout")
-                    self._forget(rid)
-                del self._async_loads[rid]
-                self._load(req, epoch)
-                done.add(rid)
-        return done
-
-    def _verified_part(self, req: LoadRequest) -> LoadRequest:
-        """An asynchronous load's leading jobs whose objects its fetch verified; the blocks of
-        the others go to vLLM as failed (it recomputes them from the first; no forward has
-        read them) and their first position to the scheduler (``load_short``)."""
-        staged = self._staged.get(req.req_id, {})
-        n = next((i for i, j in enumerate(req.jobs) if (j.position, j.group) not in staged), len(req.jobs))
-        if n == len(req.jobs):
-            return req
-        for j in req.jobs[n:]:
-            self._invalid_blocks.update(b for b in j.block_ids if b)
-        self._meta.load_short[req.req_id] = req.jobs[n].position
-        kept = req.jobs[:n]
-        expected = [0] * len(self.groups)
-        for j in kept:
-            expected[j.group] += (j.hi - j.lo) * self.groups[j.group].bytes_per_token
-        return LoadRequest(req.req_id, kept, tuple(expected), sum(j.hi - j.lo for j in kept), asynchronous=True)
-
     def _load(self, req: LoadRequest, epoch: int) -> None:
         """Copy a claimed hit's verified objects into the KV cache (before the forward that
-        reads them: from the step's metadata or :meth:`load_now`; an asynchronous one, its
-        verified part, from :meth:`finish_async_loads`)."""
+        reads them: from the step's metadata or :meth:`load_now`)."""
         t0 = time.perf_counter()
-        if req.asynchronous:
-            req = self._verified_part(req)
         staged = self._staged.get(req.req_id, {})
         prefetched = self._prefetched.get(req.req_id, ())
         try:
@@ -403,17 +336,12 @@ class WorkerSide(FetchPath, StorePath):
         except Exception as e:  # never crash the engine: the blocks go to vLLM as failed
             reason = e.reason if isinstance(e, ChunkError) else "error"
             logger.exception("vllm-kvplugin: load of %s failed after its claim (%s); its blocks are reported "
-                             "to vLLM (load_failure_policy: %s)", req.req_id, reason,
-                             "recompute" if req.asynchronous else self.cfg.load_failure_policy)
+                             "to vLLM (load_failure_policy: %s)", req.req_id, reason, self.cfg.load_failure_policy)
             counters.WORKER.failure(reason)
             for j in req.jobs:
                 self._invalid_blocks.update(b for b in j.block_ids if b)
-            first = min((j.position for j in req.jobs), default=0)
-            if req.asynchronous:  # no forward read its blocks: no store was computed over them
-                self._meta.load_short[req.req_id] = min(self._meta.load_short.get(req.req_id, first), first)
-            else:
-                self._meta.load_failed[req.req_id] = first
-                self._failed_epoch = max(self._failed_epoch, epoch)
+            self._meta.load_failed[req.req_id] = min(j.position for j in req.jobs)
+            self._failed_epoch = max(self._failed_epoch, epoch)
         else:
             counters.WORKER.add(loaded_tokens=req.num_tokens, loaded_bytes=sum(moved),
                                 load_seconds=time.perf_counter() - t0)

@@ -114,31 +114,24 @@ class FetchPath:
                 return None
             box.post(req.req_id, req.serial, 0)
             return True
+        deadline = time.monotonic() + wait_s
         collect = prefetched >= GC_IN_FETCH_MIN_BYTES and gc.isenabled()  # (a process that turned it off meant it)
-        return self._await_verdicts([req.req_id], time.monotonic() + wait_s, collect)
-
-    def _await_verdicts(self, req_ids: list[str], deadline: float, collect: bool = False) -> bool:
-        """Give the verdicts of the fetches of ``req_ids`` as their hashes come in, until none is
-        left or ``deadline`` (monotonic) passed; True: none is left.  Device digests are polled
-        (seen as soon as the device is done, not after a waiter thread's wake-up), host hashes
-        waited for on the progress event (their threads need the cores); the GIL released
-        either way.  ``collect``: Python's young generations are collected once meanwhile."""
-        while pending := [v for rid in req_ids if (v := self._verifying.get(rid)) is not None]:
+        while (v := self._verifying.get(req.req_id)) is not None:
             self._progress.clear()  # before looking: a completion from now on sets it
-            if any(v.sums is None or v.sums.done() for v in pending):
+            if v.sums is None or v.sums.done():
                 with torch.inference_mode():
                     self._settle()
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if all(v.on_device for v in pending):
+            if v.on_device:
                 if collect:  # once, while the link is busy: a collection then does not fall in the claimed step
                     collect = False
                     gc.collect(1)
-                time.sleep(0)
+                time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
             else:
-                self._progress.wait(left)
+                self._progress.wait(left)  # (host hashes: their threads need the cores)
         return True
 
     def _fetch(self, req: FetchRequest, more: Callable[[], list[FetchJob]] | None = None,
