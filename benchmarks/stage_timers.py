@@ -26,7 +26,8 @@
   the worker's (``start_load``, ``load_host``, ``bind``, ``take_meta``); ``sample`` on the device;
   between a lone hit's last byte and its scatter's launch, on the host: ``settle`` (the verdict),
   ``digest_result`` (the device digests read), ``take_verdicts`` and ``claim`` (the scheduler's),
-  ``object_slots``, ``slot_check`` and ``staged_host`` (``_load_staged``'s call);
+  ``placed`` (the objects' block ids gathered), ``slot_check`` (per-token slots checked: only
+  where the scatter is not given block ids) and ``staged_host`` (``_load_staged``'s call);
   of ``load_host``, ``load_issue`` is the transfer engine's part (the scatter's checks and launch:
   the rest is the worker's Python around it), and ``after_alloc`` is the scheduler hook that
   issues a lone hit's load (vLLM's own allocation of the hit's blocks is the gap between
@@ -183,7 +184,7 @@ class StageTimers:
         from vllm_kvplugin.transfer.cuda_handles import DeviceDigests
         for owner, name, stage in ((fmod.FetchPath, "_settle", "settle"), (DeviceDigests, "result", "digest_result"),
                                    (SchedulerSide, "_take_verdicts", "take_verdicts"), (SchedulerSide, "_claim", "claim"),
-                                   (wmod.WorkerSide, "object_slots", "object_slots"), (CudaTransfer, "_check", "slot_check"),
+                                   (wmod.WorkerSide, "placed", "placed"), (CudaTransfer, "_check", "slot_check"),
                                    (CudaTransfer, "_load_staged", "staged_host")):
             self._wrap_host(owner, name, stage)
         return self

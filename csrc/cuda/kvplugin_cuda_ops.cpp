@@ -18,6 +18,11 @@
 //     tensors [n_i, L, KV, T, H, D] with sum n_i = C, each on the cache's GPU
 //     or in page-locked host memory (zero-copy through its device mapping).
 //     max_ctas > 0 caps the grid.
+//   scatter_blocks(Tensor(a!)[] kv_layers, Tensor blocks, Tensor spans, ..., Tensor[] srcs,
+//                  int max_ctas=0) -> ()
+//     scatter_multi with each chunk's place as host block ids [C, T / block_size] and
+//     the token span [C, 2] written of it (a load's objects as vLLM allocated them:
+//     the per-token offsets are computed here, not by the caller).
 //   dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()
 //   dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()
 //     one cudaMemcpyAsync per run of adjacent host tensors, on the current
@@ -175,13 +180,14 @@ void scatter_cuda(at::TensorList kv_layers, const at::Tensor& slots, at::IntArra
                    num_blocks, src);
 }
 
-// --------------------------------------------------- gather_multi / scatter_multi
+// ----------------------------------- gather_multi / scatter_multi / scatter_blocks
 
-// The checks of check_args (same rules, same messages), for host slots and a
-// list of chunk tensors; plain integer work, no tensor allocation.
-Geometry multi_geometry(const char* op, at::TensorList layers, const at::Tensor& slots,
-                        at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
-                        int64_t num_blocks, at::TensorList chunks) {
+// The checks of check_args (same rules, same messages) for a list of chunk
+// tensors (the callers check their host indices); plain integer work, no tensor
+// allocation.
+Geometry multi_geometry(const char* op, at::TensorList layers, at::IntArrayRef strides,
+                        int64_t block_size, int64_t kernel_block_size, int64_t num_blocks,
+                        at::TensorList chunks) {
   TORCH_CHECK(!chunks.empty(), op, ": no chunk tensors");
   const auto& first = chunks[0];
   TORCH_CHECK(first.dim() == 6, op, ": chunk tensors must be [n, L, KV, T, H, D], got ",
@@ -204,11 +210,6 @@ Geometry multi_geometry(const char* op, at::TensorList layers, const at::Tensor&
   TORCH_CHECK(g.KV == 1 || g.KV == 2, op, ": KV dim must be 1 or 2, got ", g.KV);
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == g.L, op, ": ", layers.size(),
               " layers given for a chunk of L=", g.L);
-  TORCH_CHECK(slots.device().is_cpu(), op, ": slots must be a CPU tensor (validated on the host)");
-  TORCH_CHECK(slots.scalar_type() == at::kLong, op, ": slots must be int64");
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == g.C && slots.size(1) == g.T, op,
-              ": slots must be [C, T] = [", g.C, ", ", g.T, "], got ", slots.sizes());
-  TORCH_CHECK(slots.is_contiguous(), op, ": slots must be contiguous");
   TORCH_CHECK(layers[0].is_cuda(), op, ": layers must be CUDA tensors");
   for (const auto& t : layers) {
     TORCH_CHECK(t.scalar_type() == first.scalar_type(), op, ": layer dtype ", t.scalar_type(),
@@ -218,6 +219,17 @@ Geometry multi_geometry(const char* op, at::TensorList layers, const at::Tensor&
   g.esize = first.element_size();
   check_paged(op, layers, strides, block_size, kernel_block_size, num_blocks, g);
   return g;
+}
+
+// A host int64 [rows, cols] tensor of indices (slots, block ids, spans): checked
+// before any value is read.
+void check_host_index(const char* op, const char* name, const at::Tensor& t, int64_t rows,
+                      int64_t cols) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor (validated on the host)");
+  TORCH_CHECK(t.scalar_type() == at::kLong, op, ": ", name, " must be int64");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
+              " must be [", rows, ", ", cols, "], got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 // Device-accessible address of a chunk tensor: the tensor itself on the cache's
@@ -237,21 +249,12 @@ int64_t device_address(const char* op, const at::Tensor& t, const at::Device& de
   return reinterpret_cast<int64_t>(attr.devicePointer);
 }
 
-template <bool kToChunk>
-void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
-                at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
-                int64_t num_blocks, at::TensorList chunks, int64_t max_ctas) {
-  TORCH_CHECK(!layers.empty(), op, ": no layers");
-  const Geometry g = multi_geometry(op, layers, slots, strides, block_size, kernel_block_size,
-                                    num_blocks, chunks);
-  const at::Device device = layers[0].device();
-  c10::cuda::CUDAGuard guard(device);
-  const int64_t n = g.C * g.T;
-  if (n == 0 || g.L * g.KV * g.H * g.D == 0) return;
-
-  // every slot checked on the host before anything is issued
+// The pointer table's head (layers, then one pointer per chunk) and its vector
+// plan; the caller appends one paged byte offset per chunk token (-1: not moved).
+std::vector<int64_t> chunk_table(const char* op, at::TensorList layers, at::TensorList chunks,
+                                 const Geometry& g, const at::Device& device, Plan* plan) {
   std::vector<int64_t> table = layer_pointers(layers);
-  table.reserve(g.L + g.C + n);
+  table.reserve(g.L + g.C + g.C * g.T);
   const int64_t chunk_bytes = g.L * g.KV * g.T * g.H * g.D * g.esize;
   for (const auto& t : chunks) {
     const int64_t addr = device_address(op, t, device);
@@ -259,23 +262,95 @@ void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
   }
   const std::vector<int64_t> lp(table.begin(), table.begin() + g.L);
   const std::vector<int64_t> cp(table.begin() + g.L, table.end());
-  const Plan plan = plan_vectors(g, lp, cp);
+  *plan = plan_vectors(g, lp, cp);
+  return table;
+}
+
+// The paged byte offset of a token in slot v (0 <= v < num_blocks * block_size).
+struct SlotOffsets {
+  int64_t block_size, kbs, sb, ss, st;
+  int64_t operator()(int64_t v) const {
+    const int64_t b = v / block_size, t = v - b * block_size;
+    const int64_t sub = t / kbs;
+    return b * sb + sub * ss + (t - sub * kbs) * st;
+  }
+};
+
+SlotOffsets slot_offsets(const Geometry& g, int64_t block_size, int64_t kernel_block_size) {
+  return SlotOffsets{block_size, kernel_block_size, g.s_block * g.esize, g.s_sub * g.esize,
+                     g.s_tok * g.esize};
+}
+
+template <bool kToChunk>
+void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
+                at::IntArrayRef strides, int64_t block_size, int64_t kernel_block_size,
+                int64_t num_blocks, at::TensorList chunks, int64_t max_ctas) {
+  TORCH_CHECK(!layers.empty(), op, ": no layers");
+  const Geometry g = multi_geometry(op, layers, strides, block_size, kernel_block_size,
+                                    num_blocks, chunks);
+  check_host_index(op, "slots", slots, g.C, g.T);
+  const at::Device device = layers[0].device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t n = g.C * g.T;
+  if (n == 0 || g.L * g.KV * g.H * g.D == 0) return;
+
+  // every slot checked on the host before anything is issued
+  Plan plan;
+  std::vector<int64_t> table = chunk_table(op, layers, chunks, g, device, &plan);
+  const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t limit = num_blocks * block_size;
-  const int64_t sb = g.s_block * g.esize, ss = g.s_sub * g.esize, st = g.s_tok * g.esize;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t v = s[i];
     TORCH_CHECK(v >= -1 && v < limit, op, ": slot ", v, " at index ", i,
                 " is outside the cache (", num_blocks, " blocks of ", block_size, " tokens)");
-    if (v < 0) {
-      table.push_back(-1);
-    } else {
-      const int64_t b = v / block_size, t = v - b * block_size;
-      const int64_t sub = t / kernel_block_size;
-      table.push_back(b * sb + sub * ss + (t - sub * kernel_block_size) * st);
-    }
+    table.push_back(v < 0 ? -1 : offset(v));
   }
   launch(op, g, plan, upload(table, device), max_ctas, kToChunk);
+}
+
+// scatter_multi with each chunk's place given as block ids: chunk c's token t
+// goes to slot blocks[c][t / block_size] * block_size + t % block_size when
+// spans[c][0] <= t < spans[c][1], and nowhere otherwise.  Every block id that
+// holds a moved token is checked before anything is issued.
+void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
+                         const at::Tensor& spans, at::IntArrayRef strides, int64_t block_size,
+                         int64_t kernel_block_size, int64_t num_blocks, at::TensorList srcs,
+                         int64_t max_ctas) {
+  const char* op = "kvplugin::scatter_blocks";
+  TORCH_CHECK(!kv_layers.empty(), op, ": no layers");
+  const Geometry g = multi_geometry(op, kv_layers, strides, block_size, kernel_block_size,
+                                    num_blocks, srcs);
+  TORCH_CHECK(block_size > 0 && g.T % block_size == 0, op, ": chunks of ", g.T,
+              " tokens do not fill whole blocks of ", block_size);
+  const int64_t per = g.T / block_size;
+  check_host_index(op, "blocks", blocks, g.C, per);
+  check_host_index(op, "spans", spans, g.C, 2);
+  const at::Device device = kv_layers[0].device();
+  c10::cuda::CUDAGuard guard(device);
+  if (g.C * g.T == 0 || g.L * g.KV * g.H * g.D == 0) return;
+
+  Plan plan;
+  std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan);
+  const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  for (int64_t c = 0; c < g.C; ++c) {
+    const int64_t lo = sp[2 * c], hi = sp[2 * c + 1];
+    TORCH_CHECK(0 <= lo && lo <= hi && hi <= g.T, op, ": span [", lo, ", ", hi, ") of chunk ", c,
+                " is not within its ", g.T, " tokens");
+    for (int64_t t = 0; t < g.T; ++t) {
+      if (t < lo || t >= hi) {
+        table.push_back(-1);
+        continue;
+      }
+      const int64_t id = b[c * per + t / block_size];
+      TORCH_CHECK(id >= 0 && id < num_blocks, op, ": block ", id, " of chunk ", c,
+                  " is outside the cache (", num_blocks, " blocks of ", block_size, " tokens)");
+      table.push_back(offset(id * block_size + t % block_size));
+    }
+  }
+  launch(op, g, plan, upload(table, device), max_ctas, /*to_chunk=*/false);
 }
 
 void gather_multi_cuda(at::TensorList kv_layers, const at::Tensor& slots,
@@ -347,6 +422,9 @@ TORCH_LIBRARY_FRAGMENT(kvplugin, m) {
   m.def(
       "scatter_multi(Tensor(a!)[] kv_layers, Tensor slots, int[] strides, int block_size, "
       "int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0) -> ()");
+  m.def(
+      "scatter_blocks(Tensor(a!)[] kv_layers, Tensor blocks, Tensor spans, int[] strides, "
+      "int block_size, int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0) -> ()");
   m.def("dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()");
   m.def("dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()");
 }
@@ -356,6 +434,7 @@ TORCH_LIBRARY_IMPL(kvplugin, CUDA, m) {
   m.impl("scatter", &scatter_cuda);
   m.impl("gather_multi", &gather_multi_cuda);
   m.impl("scatter_multi", &scatter_multi_cuda);
+  m.impl("scatter_blocks", &scatter_blocks_cuda);
   m.impl("dma_to_host", &dma_to_host_cuda);
   m.impl("dma_from_host", &dma_from_host_cuda);
 }

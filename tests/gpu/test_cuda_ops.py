@@ -187,6 +187,91 @@ def test_multi_ops_match_reference(case_name, where):
         f"{case.name}: scatter_multi ({where}) differs"
 
 
+def _blocks_case(layout, C: int, per: int, gen: torch.Generator):
+    """``C`` objects of ``per`` distinct random blocks each (some blocks left out of the batch),
+    and a span per object: whole, cut at both ends across a block boundary, and empty."""
+    assert C * per < layout.num_blocks, "leave blocks outside the batch"
+    blocks = torch.randperm(layout.num_blocks, generator=gen)[:C * per].view(C, per).to(torch.int64)
+    T = per * layout.block_size
+    spans = [(0, T), (3, T - layout.block_size - 1), (T // 2, T // 2)][:C]
+    spans += [(0, T)] * (C - len(spans))
+    return blocks, torch.tensor(spans, dtype=torch.int64)
+
+
+def _slots_from_blocks(blocks, spans, block_size: int) -> torch.Tensor:
+    """The contract, token by token: object c's token t at block blocks[c][t // B], offset t % B,
+    when spans[c][0] <= t < spans[c][1]; -1 otherwise."""
+    T = blocks.shape[1] * block_size
+    return torch.tensor([[int(row[t // block_size]) * block_size + t % block_size if lo <= t < hi else -1
+                          for t in range(T)] for row, (lo, hi) in zip(blocks.tolist(), spans.tolist())],
+                        dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("case_name", CASES)
+def test_scatter_blocks_matches_reference(case_name, dtype):
+    """scatter_blocks (a load's objects given as block ids and spans) writes what the reference
+    scatter writes with the contract's per-token slots, from pieces of a staging tensor; the
+    rest of every backing buffer (blocks outside the batch, skipped tokens) is untouched."""
+    gen, case, layout, layers = _setup(case_name, dtype, seed=_seed("blocks", case_name, dtype))
+    C, per = 3, 2
+    blocks, spans = _blocks_case(layout, C, per, gen)
+    shape = layout.chunk_shape(per * layout.block_size)
+    stage = K.random_bytes_(torch.empty((C, *shape), dtype=dtype, device="cuda"), gen)
+    expect_raws = [r.clone() for r in case.raws]
+    _, expect_layers = build_layout(case.src, case.make_views(expect_raws))
+    reference_scatter(layout, _ref_views(expect_layers, dtype), _slots_from_blocks(blocks, spans, layout.block_size),
+                      _ref_chunk(stage))
+    torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [stage[0:1], stage[1:3]], 0)
+    torch.cuda.synchronize()
+    for got, want in zip(case.raws, expect_raws):
+        assert torch.equal(got, want), f"{case.name} {dtype}: scatter_blocks differs from the reference"
+
+
+@pytest.mark.parametrize("bad", ["block-past-end", "block-negative", "span-past-end", "span-backwards",
+                                 "blocks-shape"])
+def test_scatter_blocks_refuses_bad_places_and_writes_nothing(bad):
+    gen, case, layout, layers = _setup("v026-nhd", torch.bfloat16, seed=13)
+    C, per = 3, 2
+    blocks, spans = _blocks_case(layout, C, per, gen)
+    T = per * layout.block_size
+    if bad == "block-past-end":
+        blocks[2, 1] = layout.num_blocks
+    elif bad == "block-negative":
+        blocks[0, 0] = -1
+    elif bad == "span-past-end":
+        spans[0, 1] = T + 1
+    elif bad == "span-backwards":
+        spans[1] = torch.tensor([5, 4])
+    else:
+        blocks = blocks[:, :1].contiguous()
+    src = K.random_bytes_(torch.empty((C, *layout.chunk_shape(T)), dtype=torch.bfloat16, device="cuda"), gen)
+    before = [r.clone() for r in case.raws]
+    match = {"blocks-shape": "blocks must be", "span-past-end": "span", "span-backwards": "span"}.get(bad, "outside the cache")
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [src], 0)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(case.raws, before))
+
+
+def test_scatter_blocks_ignores_the_block_ids_of_skipped_tokens():
+    """A block that holds no moved token (outside its object's span, e.g. vLLM's null block or
+    a block of a shorter hit) is neither checked nor written."""
+    gen, case, layout, layers = _setup("v026-nhd", torch.bfloat16, seed=17)
+    blocks, spans = _blocks_case(layout, 1, 2, gen)
+    spans[0] = torch.tensor([0, layout.block_size])  # the second block is skipped
+    kept = blocks.clone()
+    blocks[0, 1] = layout.num_blocks + 7
+    src = K.random_bytes_(torch.empty((1, *layout.chunk_shape(2 * layout.block_size)), dtype=torch.bfloat16,
+                                      device="cuda"), gen)
+    expect_raws = [r.clone() for r in case.raws]
+    _, expect_layers = build_layout(case.src, case.make_views(expect_raws))
+    reference_scatter(layout, expect_layers, _slots_from_blocks(kept, spans, layout.block_size), src)
+    torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [src], 0)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(case.raws, expect_raws))
+
+
 def test_multi_ops_refuse_pageable_host_memory():
     gen, case, layout, layers = _setup("v026-nhd", torch.bfloat16, seed=3)
     T = layout.block_size

@@ -582,3 +582,47 @@ def test_two_prefetches_are_scattered_by_one_load(landed):
         assert calls == [5]  # one launch: the runs [1], [0], [3] and [5], [0, 1, 2]
     with pytest.raises(ValueError, match="do not cover"):
         eng.load(layout, layers, slots[order], [bufs[i] for i in order], staged=parts[:1])
+
+
+@pytest.mark.parametrize("by_blocks", [True, False])
+@pytest.mark.parametrize("landed", [True, False])
+def test_staged_load_given_block_ids(monkeypatch, landed, by_blocks):
+    """A staged load whose objects are given as block ids (the worker's ``PlacedObjects``): the
+    scatter op takes them as they are (``SCATTER_BY_BLOCKS``) or the engine makes per-token
+    slots first (the A/B's other side); landed or still in pieces (each run a slice of the
+    placement), the poisoned cache then holds what the reference scatter writes, partial
+    first and last objects included."""
+    from vllm_kvplugin.transfer import cuda as cuda_mod
+    from vllm_kvplugin.transfer.placement import PlacedObjects
+
+    monkeypatch.setattr(cuda_mod, "SCATTER_BY_BLOCKS", by_blocks)
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    if not eng.kernel:
+        pytest.skip("staged loads need the CUDA kernel")
+    gen = torch.Generator().manual_seed(34)
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 10, 64
+    _, bufs = _host_bufs(layout, C, T, gen)
+    per = T // layout.block_size
+    ids = torch.randperm(layout.num_blocks, generator=gen)[:C * per].view(C, per).tolist()
+    placed = PlacedObjects.of(ids, layout.block_size, T, [5] + [0] * (C - 1), [T] * (C - 1) + [T - 20])
+    for r in layers:
+        r.view(torch.uint8).fill_(0xA5)
+    want = [r.clone() for r in layers]
+    reference_scatter(layout, _ref_views(want, layout.dtype), placed.slots().cuda(),
+                      _ref_chunk(torch.cat(bufs).cuda()))
+    pre = eng.prefetch(layout, bufs)
+    assert pre is not None and pre.rows == C and len(pre.pieces) > 2
+    if landed:
+        torch.cuda.synchronize()
+    calls, scatter = [], eng._scatter
+    eng._scatter = lambda *a: calls.append(type(a[2]).__name__) or scatter(*a)
+    eng.load(layout, layers, placed, bufs, staged=[(pre, list(range(C)))])
+    eng.release(pre)
+    torch.cuda.synchronize()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(layers, want))
+    assert set(calls) == {"PlacedObjects" if by_blocks else "Tensor"}
+    if landed:
+        assert len(calls) == 1
+    with pytest.raises(ValueError, match="placed objects for" if by_blocks else "slots must be"):
+        eng.load(layout, layers, placed[1:], bufs, staged=[(pre, list(range(C)))])

@@ -19,7 +19,6 @@ wrote).  Nothing here may crash the engine or serve doubtful KV.  Stores are
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -27,7 +26,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from vllm_kvplugin import counters
@@ -65,42 +63,9 @@ from vllm_kvplugin.tiers.local_cpu import LocalPool, slots_for_budget
 from vllm_kvplugin.tiers.mp import ServerStore
 from vllm_kvplugin.transfer import TransferEngine, engine_for
 from vllm_kvplugin.transfer.host_buffers import HostBuffers, default_capacity
+from vllm_kvplugin.transfer.placement import PlacedObjects
 
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=16)
-def _token_index(tokens: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each token of an object: its index, its block's column, its offset in the block."""
-    t = np.arange(tokens, dtype=np.int64)
-    return t, t // block_size, t % block_size
-
-
-def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: int,
-                skips: Sequence[int], takes: Sequence[int]) -> torch.Tensor:
-    """``[C, T]`` paged slots of ``C`` objects of ``T`` tokens each, object ``c`` in the blocks
-    ``block_rows[c]``; its tokens outside ``[skips[c], takes[c])`` are -1.  (One vectorized
-    pass on vLLM's thread, on the step's critical path, in numpy: torch's CPU ops on these
-    slots went to its intra-op thread pool and now and then took 20-35 ms on the H200's host.
-    32 objects of 256 tokens: 38 us here, 77 before the index was kept and whole objects were
-    left unmasked.)"""
-    bad = next((b for b in block_rows if len(b) * block_size != tokens), None)
-    if bad is not None:
-        raise ChunkError("plan", f"{len(bad)} blocks of {block_size} for an object of {tokens} tokens")
-    t, column, offset = _token_index(tokens, block_size)
-    slots = np.array(block_rows, dtype=np.int64).reshape(len(block_rows), tokens // block_size)[:, column]
-    slots *= block_size
-    slots += offset
-    if any(skips) or any(k != tokens for k in takes):
-        skip = np.asarray(skips, dtype=np.int64).reshape(-1, 1)
-        take = np.asarray(takes, dtype=np.int64).reshape(-1, 1)
-        slots[(t < skip) | (t >= take)] = -1
-    return torch.from_numpy(np.ascontiguousarray(slots))  # the column gather left it column-major
-
-
-def slot_count(slots: torch.Tensor) -> int:
-    """How many of ``slots`` (host, from :func:`token_slots`) are written (not -1)."""
-    return int(np.count_nonzero(slots.numpy() >= 0))
 
 
 #: the worker half registered last in this process (``vllm-kvplugin verify`` reads it)
@@ -234,14 +199,19 @@ class WorkerSide(FetchPath, StorePath):
             return (spec.num_layers, 1, 1, 1, spec.state_bytes // spec.num_layers)
         return self.layouts[g].chunk_shape(spec.stored_tokens(self.chunk_size))
 
-    def object_slots(self, jobs: Sequence[LoadJob | StoreJob]) -> torch.Tensor:
-        """``[C, T]`` paged slots of the objects of ``jobs`` (one group): tokens outside each
-        job's ``[lo, hi)`` are -1."""
+    def placed(self, jobs: Sequence[LoadJob | StoreJob]) -> PlacedObjects:
+        """Where the objects of ``jobs`` (one group) are in the paged cache: their blocks, and
+        each job's ``[lo, hi)`` as the tokens moved."""
         g, spec = jobs[0].group, self.groups[jobs[0].group]
         tokens = spec.stored_tokens(self.chunk_size)
         firsts = [spec.object_tokens(j.position, self.chunk_size)[0] for j in jobs]
-        return token_slots([j.block_ids for j in jobs], self.layouts[g].block_size, tokens,
-                           [j.lo - f for j, f in zip(jobs, firsts)], [j.hi - f for j, f in zip(jobs, firsts)])
+        return PlacedObjects.of([j.block_ids for j in jobs], self.layouts[g].block_size, tokens,
+                                [j.lo - f for j, f in zip(jobs, firsts)], [j.hi - f for j, f in zip(jobs, firsts)])
+
+    def object_slots(self, jobs: Sequence[LoadJob | StoreJob]) -> torch.Tensor:
+        """``[C, T]`` paged slots of the objects of ``jobs`` (one group): tokens outside each
+        job's ``[lo, hi)`` are -1."""
+        return self.placed(jobs).slots()
 
     def _expect(self, g: int, key: bytes, position: int) -> ChunkExpect:
         spec = self.groups[g]
@@ -324,13 +294,13 @@ class WorkerSide(FetchPath, StorePath):
                 for part, sources in ((prefetched_jobs, from_prefetches), (linked, None)):
                     if not part:
                         continue
-                    slot_t = self.object_slots([jobs[i] for i in part])
-                    moved[g] += slot_count(slot_t) * layout.bytes_per_token
-                    work.append((layout, self.layers[g], slot_t, [srcs[i] for i in part], sources))
+                    where = self.placed([jobs[i] for i in part])
+                    moved[g] += where.count() * layout.bytes_per_token
+                    work.append((layout, self.layers[g], where, [srcs[i] for i in part], sources))
             if tuple(moved) != tuple(req.expected_bytes):  # checked before a byte is written
                 raise ChunkError("byte_mismatch", f"would move {moved} bytes, planned {list(req.expected_bytes)}")
-            for layout, layers, slot_t, bufs, sources in work:
-                self.engine.load(layout, layers, slot_t, bufs, staged=sources)
+            for layout, layers, where, bufs, sources in work:
+                self.engine.load(layout, layers, where, bufs, staged=sources)
             for views, block, src in states:
                 scatter_state(views, block, src)
         except Exception as e:  # never crash the engine: the blocks go to vLLM as failed

@@ -39,7 +39,9 @@ Contract, for the worker (one thread, vLLM's worker thread):
   no first-use costs (kernel loading, streams, staging).
 
 ``slots`` are ``[C, T]`` int64 paged slots (``block_id * block_size + offset``,
--1 = leave the token alone), ``bufs`` are C host tensors ``[1, L, KV, T, H, D]``.
+-1 = leave the token alone), for a load also the objects' block ids
+(:class:`~vllm_kvplugin.transfer.placement.PlacedObjects`); ``bufs`` are C host tensors
+``[1, L, KV, T, H, D]``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import Any, Protocol
 import torch
 
 from vllm_kvplugin.layout.descriptor import KVLayout
+from vllm_kvplugin.transfer.placement import PlacedObjects
 
 
 class TransferEngine(Protocol):
@@ -84,7 +87,7 @@ class TransferEngine(Protocol):
 
     def undigested_store_max(self) -> int | None: ...
 
-    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor | PlacedObjects,
              bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...
 
 

@@ -8,6 +8,7 @@ import torch
 
 from vllm_kvplugin import ops
 from vllm_kvplugin.layout.descriptor import KVLayout
+from vllm_kvplugin.transfer.placement import PlacedObjects
 
 
 class CpuTransfer:
@@ -60,8 +61,10 @@ class CpuTransfer:
     def undigested_store_max(self) -> int | None:
         return None  # the host hashes every store
 
-    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor | PlacedObjects,
              bufs: Sequence[torch.Tensor], staged=None) -> None:
+        if isinstance(slots, PlacedObjects):
+            slots = slots.slots()
         for c, buf in enumerate(bufs):
             ops.scatter(layers, slots[c:c + 1], layout.strides, layout.block_size,
                         layout.kernel_block_size, layout.num_blocks, buf)

@@ -81,6 +81,7 @@ from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging
 from vllm_kvplugin.transfer.cuda_pieces import host_runs, launch_groups, staged_runs
 from vllm_kvplugin.transfer.cuda_stores import StorePath
 from vllm_kvplugin.transfer.paced import PacedCopies
+from vllm_kvplugin.transfer.placement import PlacedObjects
 from vllm_kvplugin.transfer.staging_choice import StagingChoice, StagingState, choose_staging
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ DMA_PIECE_BYTES = 32 << 20
 DMA_WINDOW = 1
 #: the automatic staging cap leaves at least this much of the device free
 STAGING_RESERVE_BYTES = 2 << 30
+#: a staged load given block ids (:class:`~vllm_kvplugin.transfer.placement.PlacedObjects`) hands
+#: them to ``kvplugin::scatter_blocks``, which places each token in C++ (False: the per-token slots
+#: are built in numpy and checked, then ``scatter_multi``, as before; the A/B's other side)
+SCATTER_BY_BLOCKS = True
 
 
 class CudaTransfer(StorePath):
@@ -262,9 +267,14 @@ class CudaTransfer(StorePath):
             ops.gather(layers, slots.to(self.device), layout.strides, layout.block_size,
                        layout.kernel_block_size, layout.num_blocks, out)
 
-    def _scatter(self, layout: KVLayout, layers, slots: torch.Tensor, srcs: list[torch.Tensor],
+    def _scatter(self, layout: KVLayout, layers, slots: torch.Tensor | PlacedObjects, srcs: list[torch.Tensor],
                  max_ctas: int) -> None:
-        if self.kernel:
+        """``slots``: host slots, or placed objects (block ids: only with the kernel)."""
+        if isinstance(slots, PlacedObjects):
+            blocks, spans = slots.tensors()
+            torch.ops.kvplugin.scatter_blocks(list(layers), blocks, spans, list(layout.strides), layout.block_size,
+                                              layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
+        elif self.kernel:
             torch.ops.kvplugin.scatter_multi(list(layers), slots, list(layout.strides), layout.block_size,
                                              layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
         else:
@@ -287,7 +297,7 @@ class CudaTransfer(StorePath):
             for i, j, host in host_runs(bufs, 0, len(bufs)):
                 stage[i:j].copy_(host, non_blocking=True)
 
-    def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor,
+    def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor | PlacedObjects,
                      parts: Sequence[tuple[Prefetch, Sequence[int]]]) -> None:
         """Scatter prefetched rows into the paged cache: ``parts`` (prefetch, its rows), whose rows
         in order are ``slots``' objects.  Where every part's copy has landed (after a verdict of
@@ -443,19 +453,26 @@ class CudaTransfer(StorePath):
         return digests
 
     # -------------------------------------------------------------------- loads
-    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor,
+    def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor | PlacedObjects,
              bufs: Sequence[torch.Tensor],
              staged: Sequence[tuple[Prefetch, Sequence[int]]] | None = None) -> None:
-        """``staged``: the bytes of ``bufs`` are, in order, the rows ``rows`` of each
-        ``(prefetch, rows)`` (no copy over the link)."""
+        """``slots``: host slots ``[C, T]`` or the objects' block ids.  ``staged``: the bytes of
+        ``bufs`` are, in order, the rows ``rows`` of each ``(prefetch, rows)`` (no copy over the
+        link); block ids then go to the scatter op as they are (:data:`SCATTER_BY_BLOCKS`),
+        which checks each against the cache before anything moves."""
         if not bufs:
             return
         if staged and self.kernel:
             if sum(len(rows) for _, rows in staged) != len(bufs):
                 raise ValueError(f"staged rows {[list(r) for _, r in staged]} do not cover the {len(bufs)} buffers")
-            self._load_staged(layout, layers, self._check(layout, slots, bufs, read=False), staged)
+            if isinstance(slots, PlacedObjects) and SCATTER_BY_BLOCKS:
+                if len(slots) != len(bufs):
+                    raise ValueError(f"{len(slots)} placed objects for {len(bufs)} buffers")
+            else:
+                slots = self._check(layout, _slots_of(slots), bufs, read=False)
+            self._load_staged(layout, layers, slots, staged)
             return
-        slots = self._check(layout, slots, bufs)
+        slots = self._check(layout, _slots_of(slots), bufs)
         C, T = slots.shape
         nbytes = C * layout.chunk_nbytes(T)
         with torch.cuda.device(self.device):
@@ -495,3 +512,8 @@ class CudaTransfer(StorePath):
                 done = self._event(self._kern)
                 staging.busy = done
             compute.wait_event(done)
+
+
+def _slots_of(where: torch.Tensor | PlacedObjects) -> torch.Tensor:
+    """Host slots ``[C, T]`` of a load's objects."""
+    return where.slots() if isinstance(where, PlacedObjects) else where
