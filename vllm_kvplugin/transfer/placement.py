@@ -9,6 +9,7 @@ other path asks for the per-token slots (:meth:`PlacedObjects.slots`, one vector
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,10 +47,12 @@ class PlacedObjects:
         bad = next((b for b in block_rows if len(b) * block_size != tokens), None)
         if bad is not None:
             raise ChunkError("plan", f"{len(bad)} blocks of {block_size} for an object of {tokens} tokens")
-        blocks = np.array(block_rows, dtype=np.int64).reshape(len(block_rows), tokens // block_size)
-        lo = np.clip(np.asarray(skips, dtype=np.int64), 0, tokens)
-        hi = np.maximum(lo, np.clip(np.asarray(takes, dtype=np.int64), 0, tokens))
-        return cls(blocks, np.stack([lo, hi], axis=1).reshape(len(block_rows), 2), block_size, tokens)
+        C, per = len(block_rows), tokens // block_size
+        blocks = np.fromiter(itertools.chain.from_iterable(block_rows), dtype=np.int64, count=C * per)
+        spans = np.array([skips, takes], dtype=np.int64).reshape(2, C).T.copy()
+        np.clip(spans, 0, tokens, out=spans)
+        np.maximum(spans[:, 1], spans[:, 0], out=spans[:, 1])
+        return cls(blocks.reshape(C, per), spans, block_size, tokens)
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
