@@ -78,6 +78,7 @@ def _measure(eng: CudaTransfer, layout, layers, num_blocks: int, tokens: int, re
         return PlacedObjects.of(ids, BS, T, [0] * C, [T] * C)
 
     slots = placed().slots()
+    where = placed().tensors()
     staged = [(pre, list(range(C)))]
     multi = (list(layers), slots, list(layout.strides), layout.block_size, layout.kernel_block_size,
              layout.num_blocks, [pre.stage])
@@ -89,6 +90,8 @@ def _measure(eng: CudaTransfer, layout, layers, num_blocks: int, tokens: int, re
         "staged_load_slots": _median_host(lambda: eng.load(layout, layers, slots, bufs, staged=staged), reps),
         "staged_load_blocks": _median_host(lambda: eng.load(layout, layers, placed(), bufs, staged=staged), reps),
         "scatter_multi_call": _median_host(lambda: torch.ops.kvplugin.scatter_multi(*multi, 0), reps),
+        "scatter_blocks_call": _median_host(lambda: torch.ops.kvplugin.scatter_blocks(
+            list(layers), *where, *multi[2:], 0), reps),
         "event_record": _median_host(lambda: CudaTransfer._event(torch.cuda.current_stream()), reps),
     }
     # the whole host path from the blocks' ids to the scatter's launch, either way

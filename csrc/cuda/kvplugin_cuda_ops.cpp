@@ -332,22 +332,24 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
 
   Plan plan;
   std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan);
+  // a token's offset is its block's plus its place in the block (no division per token)
   const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
+  std::vector<int64_t> within(block_size);
+  for (int64_t k = 0; k < block_size; ++k) within[k] = offset(k);
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t* sp = spans.data_ptr<int64_t>();
   for (int64_t c = 0; c < g.C; ++c) {
     const int64_t lo = sp[2 * c], hi = sp[2 * c + 1];
     TORCH_CHECK(0 <= lo && lo <= hi && hi <= g.T, op, ": span [", lo, ", ", hi, ") of chunk ", c,
                 " is not within its ", g.T, " tokens");
-    for (int64_t t = 0; t < g.T; ++t) {
-      if (t < lo || t >= hi) {
-        table.push_back(-1);
-        continue;
-      }
-      const int64_t id = b[c * per + t / block_size];
-      TORCH_CHECK(id >= 0 && id < num_blocks, op, ": block ", id, " of chunk ", c,
+    for (int64_t j = 0, t = 0; j < per; ++j) {
+      const int64_t end = t + block_size;
+      const int64_t id = b[c * per + j];
+      const bool used = t < hi && end > lo;
+      TORCH_CHECK(!used || (id >= 0 && id < num_blocks), op, ": block ", id, " of chunk ", c,
                   " is outside the cache (", num_blocks, " blocks of ", block_size, " tokens)");
-      table.push_back(offset(id * block_size + t % block_size));
+      const int64_t base = used ? offset(id * block_size) : 0;
+      for (int64_t k = 0; t < end; ++t, ++k) table.push_back(t < lo || t >= hi ? -1 : base + within[k]);
     }
   }
   launch(op, g, plan, upload(table, device), max_ctas, /*to_chunk=*/false);
