@@ -235,8 +235,8 @@ def test_scatter_blocks_refuses_bad_places_and_writes_nothing(bad):
     C, per = 3, 2
     blocks, spans = _blocks_case(layout, C, per, gen)
     T = per * layout.block_size
-    if bad == "block-past-end":  # (object 2's span is empty: object 1's last block holds moved tokens)
-        blocks[1, 1] = layout.num_blocks
+    if bad == "block-past-end":  # (object 0 is moved whole)
+        blocks[0, 1] = layout.num_blocks
     elif bad == "block-negative":
         blocks[0, 0] = -1
     elif bad == "span-past-end":
