@@ -12,7 +12,7 @@
 * ``h2d``       - the prefetch's copy over the link (CUDA events on the engine's H2D stream);
 * ``digest``    - the prefetch's payload digests on the device, from their issue (they wait for
   the copy) until their values are on the host (CUDA events on the engine's digest stream);
-* ``load``      - a claimed load, whole (CUDA events on the engine's kernel stream), of which
+* ``load``      - a claimed load, whole (CUDA events on the compute stream), of which
   ``scatter`` is the part from the device staging into the paged cache (from the entry of its
   call: the host's work up to the launch included) and ``scatter_kernel`` the scatter op's own
   kernels (``scatter_call``: that op's call on the host);
@@ -173,11 +173,12 @@ class StageTimers:
         self._wrap_cuda(CudaTransfer, "prefetch", "h2d", lambda e: e._h2d)
         self._wrap_cuda(CudaTransfer, "digest", "digest", lambda e: e._dig)
         self._wrap_host(CudaTransfer, "_alloc", "alloc")
-        self._wrap_cuda(CudaTransfer, "load", "load", lambda e: e._kern)
+        self._wrap_cuda(CudaTransfer, "load", "load", lambda _: torch.cuda.current_stream())
         self._wrap_host(CudaTransfer, "load", "load_issue")
-        self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda e: e._kern)
-        # the scatter op alone (``scatter`` starts at ``_load_staged``'s entry, on an idle stream,
-        # so the host's work before the launch is in it): its kernels, and its call on the host
+        self._wrap_cuda(CudaTransfer, "_load_staged", "scatter", lambda _: torch.cuda.current_stream())
+        # the scatter op alone (``scatter`` starts at ``_load_staged``'s entry, on the compute stream,
+        # idle before a lone hit's forward, so the host's work before the launch is in it): its
+        # kernels, and its call on the host
         self._wrap_cuda(CudaTransfer, "_scatter", "scatter_kernel", lambda _: torch.cuda.current_stream())
         self._wrap_host(CudaTransfer, "_scatter", "scatter_call")
         # the pieces between the copy's last byte and the scatter's launch, each on the host

@@ -626,3 +626,44 @@ def test_staged_load_given_block_ids(monkeypatch, landed, by_blocks):
         assert len(calls) == 1
     with pytest.raises(ValueError, match="placed objects for" if by_blocks else "slots must be"):
         eng.load(layout, layers, placed[1:], bufs, staged=[(pre, list(range(C)))])
+
+
+@pytest.mark.parametrize("by_blocks", [True, False])
+def test_staged_load_is_ordered_after_compute_and_a_pending_store(by_blocks):
+    """A staged load (its copy landed) issued behind compute work that writes its blocks and a
+    store still to gather them (no fence between): the store gets the compute's bytes, and
+    "attention" issued on the compute stream right after the load reads the loaded ones."""
+    from vllm_kvplugin.transfer.placement import PlacedObjects
+
+    gen = torch.Generator().manual_seed(36)
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()), store_zero_copy_max_bytes=-1)
+    if not eng.kernel:
+        pytest.skip("staged loads need the CUDA kernel")
+    case, layout, layers = _layout("v026-nhd", gen)
+    C, T = 3, 64
+    per = T // layout.block_size
+    ids = torch.randperm(layout.num_blocks, generator=gen)[:C * per].view(C, per).tolist()
+    placed = PlacedObjects.of(ids, layout.block_size, T, [2, 0, 0], [T, T, T - 3])
+    slots = placed.slots()
+    _, out_bufs = _host_bufs(layout, C, T, gen)
+    _, in_bufs = _host_bufs(layout, C, T, gen)
+    truth = K.random_bytes_(torch.empty((C, *layout.chunk_shape(T)), dtype=layout.dtype, device="cuda"), gen)
+    poison = torch.cat(out_bufs).cuda()
+    incoming = torch.cat(in_bufs).cuda()
+    idx = _dev_index(layout, slots)
+    unseen = K.random_bytes_(torch.empty_like(incoming), gen)
+    seen = unseen.clone()
+    pre = eng.prefetch(layout, in_bufs)
+    assert pre is not None and pre.rows == C
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    _dev_scatter(layout, layers, idx, truth)  # earlier compute writing those blocks
+    ticket = eng.store(layout, layers, slots, out_bufs)
+    eng.load(layout, layers, placed if by_blocks else slots, in_bufs, staged=[(pre, list(range(C)))])
+    _dev_gather(layout, layers, idx, seen)  # "attention" reading the blocks
+    eng.wait(ticket)
+    eng.release(pre)
+    torch.cuda.synchronize()
+    keep = (slots >= 0).cuda().view(C, 1, 1, T, 1, 1)
+    assert torch.equal(_bits(torch.cat(out_bufs).cuda()), _bits(torch.where(keep, truth, poison)))
+    assert torch.equal(_bits(seen), _bits(torch.where(keep, incoming, unseen)))

@@ -38,6 +38,8 @@ Ordering (the :class:`~vllm_kvplugin.transfer.TransferEngine` contract):
   may target a reused block).  The ticket is the event after the last DMA.
 * ``load`` makes the compute stream wait on the "scatter done" event before
   returning: attention issued afterwards reads the loaded bytes.  No host sync.
+  A staged load of a prefetch scatters on the compute stream itself (after the
+  stores still gathering from the cache).
 * A staging buffer is reused only after the DMA/kernel that last used it is
   done (device-side waits); a host buffer that a pending load still reads is
   not overwritten by a later store's DMA before that read.
@@ -302,32 +304,32 @@ class CudaTransfer(StorePath):
         """Scatter prefetched rows into the paged cache: ``parts`` (prefetch, its rows), whose rows
         in order are ``slots``' objects.  Where every part's copy has landed (after a verdict of
         device digests, which waited for all of it) one launch scatters them all; otherwise each
-        run of consecutive rows goes after its piece of the copy.  The compute stream waits for
-        all of it."""
+        run of consecutive rows goes after its piece of the copy.  The scatter runs on the compute
+        stream itself, after what is queued there (a forward that may still read a reused block)
+        and after the stores still gathering from the cache: the forward that reads the loaded
+        blocks comes after it, and no event or stream switch is spent on the host."""
         with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
-            self._kern.wait_event(self._event(compute))
             for ev in self._pending_gathers:  # a pending store may still read a reused block
-                self._kern.wait_event(ev)
+                compute.wait_event(ev)
             landed = all(pre.event.query() for pre, _ in parts)  # (one stream: its last piece in, all are)
-            with torch.cuda.stream(self._kern):
-                if landed:
-                    srcs = [pre.stage[rows[i]:rows[i] + (j - i)] for pre, rows in parts
-                            for i, j, _ in staged_runs(rows, None)]
-                    self._scatter(layout, layers, slots, srcs, 0)
-                else:
-                    at = 0  # the first slot row of this part
-                    for pre, rows in parts:
-                        for i, j, k in staged_runs(rows, [(a, b) for a, b, _ in pre.pieces]):
-                            if k is not None:
-                                self._kern.wait_event(pre.pieces[k][2])
-                            src = pre.stage[rows[i]:rows[i] + (j - i)]
-                            self._scatter(layout, layers, slots[at + i:at + j], [src], 0)
-                        at += len(rows)
-                done = self._event(self._kern)
+            if landed:
+                srcs = [pre.stage[rows[i]:rows[i] + (j - i)] for pre, rows in parts
+                        for i, j, _ in staged_runs(rows, None)]
+                self._scatter(layout, layers, slots, srcs, 0)
+            else:
+                at = 0  # the first slot row of this part
+                for pre, rows in parts:
+                    for i, j, k in staged_runs(rows, [(a, b) for a, b, _ in pre.pieces]):
+                        if k is not None:
+                            compute.wait_event(pre.pieces[k][2])
+                        src = pre.stage[rows[i]:rows[i] + (j - i)]
+                        self._scatter(layout, layers, slots[at + i:at + j], [src], 0)
+                    at += len(rows)
+            done = self._event(compute)
             for pre, _ in parts:
                 pre.staging.busy = done
-            compute.wait_event(done)
+                pre.staging.tensor.record_stream(compute)  # (freed memory waits for the scatter too)
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
