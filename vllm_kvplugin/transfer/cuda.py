@@ -125,7 +125,9 @@ class CudaTransfer(StorePath):
         self.device = device
         info = ops.load()
         # The choice of implementation happens here, once.
-        self.kernel = info.cuda == "CUDA kernel" and hasattr(torch.ops.kvplugin, "dma_to_host")
+        # (a build of an older source lacks the later ops: the torch path then, never a missing op)
+        self.kernel = info.cuda == "CUDA kernel" and all(
+            hasattr(torch.ops.kvplugin, op) for op in ("dma_to_host", "scatter_blocks"))
         #: payload digests computed on the device (loads verified there, stores hashed there)
         self.digests = self.kernel and hasattr(torch.ops.kvplugin, "segment_digests")
         if self.kernel:
