@@ -294,11 +294,17 @@ def test_a_new_l2_directory_is_marked_and_reused(server_factory, short_tmp):
 def test_a_pool_larger_than_shared_memory_fails_at_start(short_tmp):
     """A clear start-up error, never a SIGBUS in an engine later; no pool file of it is left
     (its own: other tests' servers may come and go in /dev/shm meanwhile)."""
-    free = os.statvfs("/dev/shm")
-    too_big = free.f_bavail * free.f_frsize + (1 << 30)
+    fs = os.statvfs("/dev/shm")
+    # more than the whole file system: never fits, whatever other tests' servers free meanwhile
+    too_big = fs.f_blocks * fs.f_frsize + (1 << 30)
     proc = subprocess.Popen([PY, "-m", "vllm_kvplugin.server", "--listen", f"unix://{short_tmp}/s.sock",
                              "--l1-bytes", str(too_big)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # (a server that started after all must not outlive the test)
+            proc.kill()
+            proc.wait()
     assert proc.returncode != 0 and "--l1-bytes" in err and "bytes free" in err, err[-2000:]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-kvplugin-{os.getuid()}-{proc.pid}-")]
 
