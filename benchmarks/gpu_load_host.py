@@ -10,6 +10,9 @@ scatter's launch everything runs on vLLM's thread, and the forward waits for the
   engine's slot check, the staged load's whole call, and the scatter op's call alone;
 * ``path_s``: the whole host path as the worker runs it (slots, then the staged load) and
   ``blocks_path_s`` the one that hands the op the blocks' ids (``PlacedObjects``);
+* ``blocks_path_cold_s``: that path after its caches were swept and 20 ms of polling (as after a
+  copy's wait), and ``blocks_path_cold_rehearsed_s`` the same with the path rehearsed over no
+  object right before it (``CudaTransfer.rehearse``, ``worker_fetch.REHEARSE_LOADS``);
 * device seconds of the scatter kernel, against a device-to-device copy of the same bytes (the
   memory's ceiling for moving them once).
 
@@ -24,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -42,10 +46,24 @@ from vllm_kvplugin.transfer.placement import PlacedObjects  # noqa: E402
 L, H, D, BS, T = 36, 8, 128, 16, 256
 
 
-def _median_host(fn, reps: int) -> float:
+_SWEEP = np.ones(64 << 20, dtype=np.uint8)
+
+
+def _chill() -> None:
+    """As a lone hit's thread before its load: caches swept (here by reading 64 MB), then 20 ms
+    of polling (``fetch_now``'s wait for the copy)."""
+    _SWEEP.sum()
+    end = time.perf_counter() + 0.02
+    while time.perf_counter() < end:
+        time.sleep(0)
+
+
+def _median_host(fn, reps: int, before=None) -> float:
     out = []
     for _ in range(reps + 3):
         torch.cuda.synchronize()
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
@@ -98,6 +116,16 @@ def _measure(eng: CudaTransfer, layout, layers, num_blocks: int, tokens: int, re
     row["path_s"] = _median_host(lambda: eng.load(layout, layers, placed().slots(), bufs, staged=staged), reps)
     row["blocks_path_s"] = _median_host(lambda: eng.load(layout, layers, placed(), bufs, staged=staged), reps)
     row["blocks_over_slots"] = round(row["blocks_path_s"] / row["path_s"], 3)
+
+    def rehearsed() -> None:  # what WorkerSide._rehearse_load does, after the copy's wait
+        _chill()
+        empty = PlacedObjects.of([[0] * (T // BS)], BS, T, [0], [0])
+        empty.count()
+        eng.rehearse(layout, layers, empty)
+
+    blocks_path = lambda: eng.load(layout, layers, placed(), bufs, staged=staged)  # noqa: E731
+    row["blocks_path_cold_s"] = _median_host(blocks_path, reps, before=_chill)
+    row["blocks_path_cold_rehearsed_s"] = _median_host(blocks_path, reps, before=rehearsed)
     dst = torch.empty_like(pre.stage)
     row["device_s"] = {"scatter_kernel": _median_device(lambda: torch.ops.kvplugin.scatter_multi(*multi, 0), reps),
                        "d2d_copy": _median_device(lambda: dst.copy_(pre.stage), reps)}

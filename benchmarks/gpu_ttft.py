@@ -26,6 +26,8 @@ prompts in the same order:
   (``start_load_kv``), as before ``scheduler_lone.LOAD_AT_ALLOCATION`` (not in the default set);
 * ``kvplugin-slots`` - ``kvplugin`` whose staged loads build and check per-token slots in numpy
   for ``scatter_multi``, as before ``cuda.SCATTER_BY_BLOCKS`` (not in the default set);
+* ``kvplugin-rehearse`` - ``kvplugin`` whose lone fetches rehearse their load's host path as
+  their copy ends (``worker_fetch.REHEARSE_LOADS``; not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``kvplugin-server-threaded`` - ``kvplugin-server`` whose lone requests' lookups go to the index's
   thread, as before ``scheduler_lone.LOOKUP_HERE`` (not in the default set);
@@ -155,6 +157,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-load-in-step":  # a lone hit loaded from the step's metadata, not at its allocation
         from vllm_kvplugin.connector import scheduler_lone
         scheduler_lone.LOAD_AT_ALLOCATION = False
+    if mode == "kvplugin-rehearse":  # a lone fetch rehearses its load's host path as its copy ends
+        from vllm_kvplugin.connector import worker_fetch
+        worker_fetch.REHEARSE_LOADS = True
     if mode == "kvplugin-slots":  # staged loads scattered by per-token slots, not block ids
         cuda.SCATTER_BY_BLOCKS = False
     if mode == "kvplugin-server-resolving":  # the worker resolves a hit's objects, as with several ranks

@@ -227,3 +227,26 @@ def test_certification_failure_stops_the_engine(qwen3_model, monkeypatch):
             engine(qwen3_model, 32, {"chunk_size": 64})
     finally:
         reset_vllm_globals()
+
+
+def test_a_rehearsal_of_the_load_reaches_the_engine_empty(qwen3_model, monkeypatch):
+    """``WorkerSide._rehearse_load`` (a lone hit's rehearsal while its copy ends on a GPU,
+    ``worker_fetch.REHEARSE_LOADS``) on a real engine's worker: one placement of no token per
+    attention group reaches the transfer engine, and the next hit still equals the cold run."""
+    from vllm_kvplugin.connector import worker as wmod
+    from vllm_kvplugin.transfer.cpu import CpuTransfer
+
+    seen = []
+    monkeypatch.setattr(CpuTransfer, "rehearse", lambda self, layout, layers, placed: seen.append(
+        (layout.block_size, placed.tokens, placed.count(), len(placed), len(layers))))
+    p = prompt(3 * 32 + 5, seed=7)
+    llm = engine(qwen3_model, 32, {"chunk_size": 64})
+    try:
+        cold = generate(llm, [p])[0]
+        ws = wmod.registered()
+        ws._rehearse_load()
+        assert seen == [(32, 64, 0, 1, len(ws.layers[0]))], seen
+        warm = generate(llm, [p])[0]
+        assert warm.num_cached_tokens == 64 and warm.token_ids == cold.token_ids
+    finally:
+        shutdown(llm)

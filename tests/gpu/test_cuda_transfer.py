@@ -667,3 +667,25 @@ def test_staged_load_is_ordered_after_compute_and_a_pending_store(by_blocks):
     keep = (slots >= 0).cuda().view(C, 1, 1, T, 1, 1)
     assert torch.equal(_bits(torch.cat(out_bufs).cuda()), _bits(torch.where(keep, truth, poison)))
     assert torch.equal(_bits(seen), _bits(torch.where(keep, incoming, unseen)))
+
+
+def test_a_rehearsal_moves_nothing():
+    """``rehearse`` (a lone hit's load path run over no object while its copy ends) writes no
+    byte of the cache and holds no device memory, whatever placement it is given."""
+    from vllm_kvplugin.transfer.placement import PlacedObjects
+
+    eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
+    if not eng.kernel:
+        pytest.skip("staged loads need the CUDA kernel")
+    gen = torch.Generator().manual_seed(38)
+    case, layout, layers = _layout("v026-nhd", gen)
+    per = 64 // layout.block_size
+    before = [r.clone() for r in case.raws]
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    for placed in (PlacedObjects.of([[0] * per], layout.block_size, 64, [0], [0]),
+                   PlacedObjects.of([list(range(1, per + 1))], layout.block_size, 64, [0], [64])):
+        eng.rehearse(layout, layers, placed)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == held
+    assert all(torch.equal(a, b) for a, b in zip(case.raws, before))

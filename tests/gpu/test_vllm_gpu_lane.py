@@ -448,9 +448,10 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
     """However late a load's scatter runs on the device, the forward that reads its blocks comes
     after it: every scatter waits ~0.1 s behind a sleep kernel on the plugin's kernel stream,
     while the load's target blocks hold noise (the probe's poison) and the seeds' method
-    compares each warm run with its cold run.  The forward's stream must wait for the scatter's
-    event, eager and when vLLM's ``FULL_DECODE_ONLY`` graphs replay the hit's one-token step (no
-    hook of the connector runs in a replay).  A lone hit is loaded at its allocation, vLLM's
+    compares each warm run with its cold run.  The forward must come after the scatter (a staged
+    load's runs on the compute stream itself, a copied load's is waited for there), eager and when
+    vLLM's ``FULL_DECODE_ONLY`` graphs replay the hit's one-token step (no hook of the connector
+    runs in a replay).  A lone hit is loaded at its allocation, vLLM's
     input preparation (~4 ms) before its forward: on time, the scatter is done long before, and
     a missing wait would not show."""
     from vllm_kvplugin.transfer import cuda as cmod
@@ -458,7 +459,7 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
     scatter, delayed = cmod.CudaTransfer._scatter, []
 
     def slow_scatter(self, *a, **k):
-        torch.cuda._sleep(SLOW_SCATTER_CYCLES)  # on the current stream: the kernel stream of the load
+        torch.cuda._sleep(SLOW_SCATTER_CYCLES)  # on the current stream: the one the load scatters on
         delayed.append(1)
         return scatter(self, *a, **k)
 
@@ -469,6 +470,21 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
     s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, reference="recompute", **kw)
     assert s["lone_fetches"] > 0 and s["loaded_tokens"] > 0, s
     assert len(delayed) > len(LENGTHS), len(delayed)  # the warm-up's scatter, then every hit's
+
+
+def test_seed_method_on_gpu_with_rehearsed_loads(model, monkeypatch):
+    """``worker_fetch.REHEARSE_LOADS`` on: every lone hit rehearses its load's host path while its
+    copy ends (over no object: nothing moves), and every hit still equals its recompute."""
+    from vllm_kvplugin.connector import worker_fetch
+    from vllm_kvplugin.transfer import cuda as cmod
+
+    rehearse, rehearsals = cmod.CudaTransfer.rehearse, []
+    monkeypatch.setattr(worker_fetch, "REHEARSE_LOADS", True)
+    monkeypatch.setattr(cmod.CudaTransfer, "rehearse",
+                        lambda self, *a: rehearsals.append(a[2].count()) or rehearse(self, *a))
+    s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, reference="recompute")
+    assert s["lone_fetches"] > 0 and s["loaded_tokens"] > 0, s
+    assert rehearsals and set(rehearsals) == {0}, rehearsals  # one per lone fetch, each of no token
 
 
 def _seed_method_on_gpu(model: str, backend: str, tier: dict, reference: str = "engine", **engine_kw) -> dict:

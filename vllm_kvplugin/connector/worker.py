@@ -256,6 +256,23 @@ class WorkerSide(FetchPath, StorePath):
         with torch.inference_mode():  # as on vLLM's thread in a step, whose tensors these are
             self._load(req, epoch)
 
+    def _rehearse_load(self) -> None:
+        """From :meth:`fetch_now` while a lone hit's copy ends (``worker_fetch.REHEARSE_LOADS``):
+        the load's host path once over no object -- an empty placement per group and the
+        transfer engine's :meth:`~vllm_kvplugin.transfer.TransferEngine.rehearse` -- so that its
+        code and data are in the caches when the claimed load runs.  Moves nothing; never raises."""
+        try:
+            with torch.inference_mode():
+                for g, spec in enumerate(self.groups):
+                    if spec.is_state:
+                        continue
+                    layout, tokens = self.layouts[g], spec.stored_tokens(self.chunk_size)
+                    placed = PlacedObjects.of([[0] * (tokens // layout.block_size)], layout.block_size, tokens, [0], [0])
+                    placed.count()
+                    self.engine.rehearse(layout, self.layers[g], placed)
+        except Exception:  # a rehearsal is an optimization: the load itself reports its own trouble
+            logger.debug("vllm-kvplugin: a load's rehearsal failed", exc_info=True)
+
     def _load(self, req: LoadRequest, epoch: int) -> None:
         """Copy a claimed hit's verified objects into the KV cache (before the forward that
         reads them: from the step's metadata or :meth:`load_now`)."""

@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 #: generations while it waits for the device (a collection takes up to ~1.5 ms on the H200's host;
 #: otherwise the allocation counts trigger one later, on the claimed step's critical path)
 GC_IN_FETCH_MIN_BYTES = 256 << 20
+#: a lone fetch verified on the device rehearses its load's host path once, over no object, when
+#: all but the last piece of its copy are in (``WorkerSide._rehearse_load``): the path's code and
+#: data go cold while the thread polls through the copy, and the claimed load then runs several
+#: times slower than warm.  Off until measured on a GPU (bench mode ``kvplugin-rehearse``).
+REHEARSE_LOADS = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class FetchPath:
             return True
         deadline = time.monotonic() + wait_s
         collect = prefetched >= GC_IN_FETCH_MIN_BYTES and gc.isenabled()  # (a process that turned it off meant it)
+        rehearse = REHEARSE_LOADS and prefetched > 0
         while (v := self._verifying.get(req.req_id)) is not None:
             self._progress.clear()  # before looking: a completion from now on sets it
             if v.sums is None or v.sums.done():
@@ -129,10 +135,21 @@ class FetchPath:
                 if collect:  # once, while the link is busy: a collection then does not fall in the claimed step
                     collect = False
                     gc.collect(1)
+                if rehearse and self._copy_nearly_in(req.req_id):
+                    rehearse = False
+                    self._rehearse_load()
                 time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
             else:
                 self._progress.wait(left)  # (host hashes: their threads need the cores)
         return True
+
+    def _copy_nearly_in(self, req_id: str) -> bool:
+        """Whether every piece of ``req_id``'s copy but the last has landed (its last prefetch's)."""
+        sent = self._prefetched.get(req_id)
+        if not sent:
+            return True
+        pieces = sent[-1].pre.pieces
+        return len(pieces) < 2 or pieces[-2][2].query()
 
     def _fetch(self, req: FetchRequest, more: Callable[[], list[FetchJob]] | None = None,
                split: bool = False) -> None:

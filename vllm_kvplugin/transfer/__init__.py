@@ -36,7 +36,9 @@ Contract, for the worker (one thread, vLLM's worker thread):
   :meth:`TransferEngine.undigested_store_max` says beforehand which store calls get a digest
   of every buffer they write: those of whole chunks moving more bytes than it (None: none).
 * :meth:`TransferEngine.warm_up` runs at registration, so that a first hit pays
-  no first-use costs (kernel loading, streams, staging).
+  no first-use costs (kernel loading, streams, staging); :meth:`TransferEngine.rehearse`
+  runs a staged load's host path over no object (nothing moves), so that its code is in the
+  caches when a hit's load comes.
 
 ``slots`` are ``[C, T]`` int64 paged slots (``block_id * block_size + offset``,
 -1 = leave the token alone), for a load also the objects' block ids
@@ -89,6 +91,8 @@ class TransferEngine(Protocol):
 
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor | PlacedObjects,
              bufs: Sequence[torch.Tensor], staged: Any = None) -> None: ...
+
+    def rehearse(self, layout: KVLayout, layers: Sequence[torch.Tensor], placed: PlacedObjects) -> None: ...
 
 
 def engine_for(device: torch.device, staging_bytes: int | None = None) -> TransferEngine:

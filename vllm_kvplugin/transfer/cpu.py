@@ -61,6 +61,9 @@ class CpuTransfer:
     def undigested_store_max(self) -> int | None:
         return None  # the host hashes every store
 
+    def rehearse(self, layout: KVLayout, layers: Sequence[torch.Tensor], placed: PlacedObjects) -> None:
+        return None  # no staged loads here
+
     def load(self, layout: KVLayout, layers: Sequence[torch.Tensor], slots: torch.Tensor | PlacedObjects,
              bufs: Sequence[torch.Tensor], staged=None) -> None:
         if isinstance(slots, PlacedObjects):

@@ -301,6 +301,18 @@ class CudaTransfer(StorePath):
             for i, j, host in host_runs(bufs, 0, len(bufs)):
                 stage[i:j].copy_(host, non_blocking=True)
 
+    def rehearse(self, layout: KVLayout, layers: Sequence[torch.Tensor], placed: PlacedObjects) -> None:
+        """A staged load's host path over no object (``WorkerSide._rehearse_load``): the scatter
+        op's argument conversion and checks on an empty chunk list, which return before any
+        launch.  Nothing is written, queued or allocated (a 0-byte tensor holds no memory)."""
+        if not (self.kernel and SCATTER_BY_BLOCKS):
+            return
+        with torch.cuda.device(self.device):
+            empty = torch.empty((0, *layout.chunk_shape(placed.tokens)), dtype=layout.dtype, device=self.device)
+            blocks, spans = placed[:0].tensors()
+            torch.ops.kvplugin.scatter_blocks(list(layers), blocks, spans, list(layout.strides), layout.block_size,
+                                              layout.kernel_block_size, layout.num_blocks, [empty], 0)
+
     def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor | PlacedObjects,
                      parts: Sequence[tuple[Prefetch, Sequence[int]]]) -> None:
         """Scatter prefetched rows into the paged cache: ``parts`` (prefetch, its rows), whose rows
