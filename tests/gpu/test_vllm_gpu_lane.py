@@ -473,7 +473,7 @@ def test_the_forward_waits_for_a_slow_load(model, graphs, monkeypatch):
 
 
 def test_seed_method_on_gpu_with_rehearsed_loads(model, monkeypatch):
-    """``worker_fetch.REHEARSE_LOADS`` on: every lone hit rehearses its load's host path while its
+    """``worker_fetch.REHEARSE_LOADS`` on: a lone hit rehearses its load's host path while its
     copy ends (over no object: nothing moves), and every hit still equals its recompute."""
     from vllm_kvplugin.connector import worker_fetch
     from vllm_kvplugin.transfer import cuda as cmod
@@ -484,7 +484,7 @@ def test_seed_method_on_gpu_with_rehearsed_loads(model, monkeypatch):
                         lambda self, *a: rehearsals.append(a[2].count()) or rehearse(self, *a))
     s = _seed_method_on_gpu(model, "FLASH_ATTN", {"cpu_bytes": 2 << 30}, reference="recompute")
     assert s["lone_fetches"] > 0 and s["loaded_tokens"] > 0, s
-    assert rehearsals and set(rehearsals) == {0}, rehearsals  # one per lone fetch, each of no token
+    assert rehearsals and set(rehearsals) == {0}, rehearsals  # each of no token
 
 
 def _seed_method_on_gpu(model: str, backend: str, tier: dict, reference: str = "engine", **engine_kw) -> dict:

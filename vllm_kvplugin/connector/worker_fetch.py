@@ -43,11 +43,13 @@ logger = logging.getLogger(__name__)
 #: generations while it waits for the device (a collection takes up to ~1.5 ms on the H200's host;
 #: otherwise the allocation counts trigger one later, on the claimed step's critical path)
 GC_IN_FETCH_MIN_BYTES = 256 << 20
-#: a lone fetch verified on the device rehearses its load's host path once, over no object, when
-#: all but the last piece of its copy are in (``WorkerSide._rehearse_load``): the path's code and
-#: data go cold while the thread polls through the copy, and the claimed load then runs several
-#: times slower than warm.  Off until measured on a GPU (bench mode ``kvplugin-rehearse``).
+#: a lone fetch verified on the device rehearses its load's host path over no object, every
+#: :data:`REHEARSE_EVERY_S` from when all but the last piece of its copy are in until its verdict
+#: (``WorkerSide._rehearse_load``): the path's code and data go cold while the thread polls
+#: through the copy, and the claimed load then runs several times slower than warm.  Off until
+#: measured on a GPU (bench mode ``kvplugin-rehearse``).
 REHEARSE_LOADS = False
+REHEARSE_EVERY_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class FetchPath:
             return True
         deadline = time.monotonic() + wait_s
         collect = prefetched >= GC_IN_FETCH_MIN_BYTES and gc.isenabled()  # (a process that turned it off meant it)
-        rehearse = REHEARSE_LOADS and prefetched > 0
+        rehearse, rehearsed = REHEARSE_LOADS and prefetched > 0, 0.0
         while (v := self._verifying.get(req.req_id)) is not None:
             self._progress.clear()  # before looking: a completion from now on sets it
             if v.sums is None or v.sums.done():
@@ -135,9 +137,9 @@ class FetchPath:
                 if collect:  # once, while the link is busy: a collection then does not fall in the claimed step
                     collect = False
                     gc.collect(1)
-                if rehearse and self._copy_nearly_in(req.req_id):
-                    rehearse = False
+                if rehearse and time.monotonic() - rehearsed >= REHEARSE_EVERY_S and self._copy_nearly_in(req.req_id):
                     self._rehearse_load()
+                    rehearsed = time.monotonic()
                 time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
             else:
                 self._progress.wait(left)  # (host hashes: their threads need the cores)
