@@ -6,7 +6,7 @@ scatter's launch everything runs on vLLM's thread, and the forward waits for the
 8k hit of Qwen3-8B's KV (36 layers x 8 KV heads x 128, bf16, blocks of 16 tokens: 32 objects of
 256 tokens, 1.2 GB, staged on the device by a prefetch that has landed), median of ``--reps``:
 
-* host seconds of each piece: the per-token slots from the block ids (``token_slots``), the
+* host seconds of each piece: the per-token slots from the block ids (``PlacedObjects.slots``), the
   engine's slot check, the staged load's whole call, and the scatter op's call alone;
 * ``path_s``: the whole host path as the worker runs it (slots, then the staged load) and
   ``blocks_path_s`` the one that hands the op the blocks' ids (``PlacedObjects``);

@@ -1,4 +1,4 @@
-"""token_slots and PlacedObjects: the paged slots of a load's or a store's objects, in one vectorized pass,
+"""PlacedObjects: the paged slots of a load's or a store's objects, in one vectorized pass,
 against a per-token reference written from the contract (block b holds tokens
 [b*B, (b+1)*B) of the cache; tokens outside [skip, take) of an object are -1)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kvplugin.chunk.format import ChunkError
-from vllm_kvplugin.transfer.placement import PlacedObjects, token_slots
+from vllm_kvplugin.transfer.placement import PlacedObjects
 
 
 def reference(block_rows, block_size, tokens, skips, takes):
@@ -33,7 +33,7 @@ def test_matches_the_per_token_reference(seed):
         skips, takes = [0] * rows, [tokens] * rows
         if seed % 2:
             takes[-1] = rng.randrange(tokens)
-    got = token_slots(block_rows, block_size, tokens, skips, takes)
+    got = PlacedObjects.of(block_rows, block_size, tokens, skips, takes).slots()
     want = reference(block_rows, block_size, tokens, skips, takes)
     assert got.shape == (rows, tokens) and got.dtype == torch.int64 and got.is_contiguous()
     assert got.tolist() == want
@@ -43,12 +43,12 @@ def test_matches_the_per_token_reference(seed):
 
 def test_a_row_with_the_wrong_number_of_blocks_is_a_plan_error():
     with pytest.raises(ChunkError, match="3 blocks of 16 for an object of 32 tokens"):
-        token_slots([[1, 2], [3, 4, 5]], 16, 32, [0, 0], [32, 32])
+        PlacedObjects.of([[1, 2], [3, 4, 5]], 16, 32, [0, 0], [32, 32])
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_placed_objects_rows_and_counts(seed):
-    """PlacedObjects: spans clipped to the object, taken by slice or by index like a slots
+    """PlacedObjects: spans clipped to the object, taken by slice like a slots
     tensor's rows, and its count the slots written."""
     rng = random.Random(100 + seed)
     block_size, per = rng.choice([1, 16]), rng.choice([1, 4])
@@ -64,8 +64,6 @@ def test_placed_objects_rows_and_counts(seed):
     assert all(0 <= lo <= hi <= tokens for lo, hi in placed.spans.tolist())
     a, b = sorted(rng.sample(range(rows + 1), 2))
     assert placed[a:b].slots().tolist() == want[a:b]
-    order = rng.sample(range(rows), rows)
-    assert placed.take(order).slots().tolist() == [want[i] for i in order]
     blocks, spans = placed.tensors()
     assert blocks.dtype == spans.dtype == torch.int64 and blocks.is_contiguous() and spans.is_contiguous()
     assert blocks.tolist() == block_rows and tuple(spans.shape) == (rows, 2)

@@ -178,7 +178,7 @@ class CudaTransfer(StorePath):
         slots = slots.to(torch.int64).contiguous()
         # every slot is checked before the first copy is issued (the ops check again)
         limit = layout.num_blocks * layout.block_size
-        if slots.numel():  # numpy: torch's CPU reductions go to its thread pool (see token_slots)
+        if slots.numel():  # numpy: torch's CPU reductions go to its thread pool (see PlacedObjects.slots)
             flat = slots.numpy()
             lo, hi = int(flat.min()), int(flat.max())
             if lo < -1 or hi >= limit:
@@ -275,9 +275,7 @@ class CudaTransfer(StorePath):
                  max_ctas: int) -> None:
         """``slots``: host slots, or placed objects (block ids: only with the kernel)."""
         if isinstance(slots, PlacedObjects):
-            blocks, spans = slots.tensors()
-            torch.ops.kvplugin.scatter_blocks(list(layers), blocks, spans, list(layout.strides), layout.block_size,
-                                              layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
+            self._scatter_placed(layout, layers, slots, srcs, max_ctas)
         elif self.kernel:
             torch.ops.kvplugin.scatter_multi(list(layers), slots, list(layout.strides), layout.block_size,
                                              layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
@@ -301,6 +299,13 @@ class CudaTransfer(StorePath):
             for i, j, host in host_runs(bufs, 0, len(bufs)):
                 stage[i:j].copy_(host, non_blocking=True)
 
+    @staticmethod
+    def _scatter_placed(layout: KVLayout, layers, placed: PlacedObjects, srcs: list[torch.Tensor],
+                        max_ctas: int) -> None:
+        blocks, spans = placed.tensors()
+        torch.ops.kvplugin.scatter_blocks(list(layers), blocks, spans, list(layout.strides), layout.block_size,
+                                          layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
+
     def rehearse(self, layout: KVLayout, layers: Sequence[torch.Tensor], placed: PlacedObjects) -> None:
         """A staged load's host path over no object (``WorkerSide._rehearse_load``): the scatter
         op's argument conversion and checks on an empty chunk list, which return before any
@@ -309,9 +314,7 @@ class CudaTransfer(StorePath):
             return
         with torch.cuda.device(self.device):
             empty = torch.empty((0, *layout.chunk_shape(placed.tokens)), dtype=layout.dtype, device=self.device)
-            blocks, spans = placed[:0].tensors()
-            torch.ops.kvplugin.scatter_blocks(list(layers), blocks, spans, list(layout.strides), layout.block_size,
-                                              layout.kernel_block_size, layout.num_blocks, [empty], 0)
+            self._scatter_placed(layout, layers, placed[:0], [empty], 0)  # (not _scatter: no stage timer)
 
     def _load_staged(self, layout: KVLayout, layers, slots: torch.Tensor | PlacedObjects,
                      parts: Sequence[tuple[Prefetch, Sequence[int]]]) -> None:

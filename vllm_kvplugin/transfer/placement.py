@@ -67,11 +67,6 @@ class PlacedObjects:
             raise TypeError(f"placed objects are taken by a slice, not {rows!r}")
         return PlacedObjects(self.blocks[rows], self.spans[rows], self.block_size, self.tokens)
 
-    def take(self, order: Sequence[int]) -> PlacedObjects:
-        """The objects ``order`` (indices), in that order."""
-        idx = np.asarray(order, dtype=np.int64)
-        return PlacedObjects(self.blocks[idx], self.spans[idx], self.block_size, self.tokens)
-
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks`` and ``spans`` as contiguous host int64 tensors (the scatter op's)."""
         return torch.from_numpy(np.ascontiguousarray(self.blocks)), torch.from_numpy(np.ascontiguousarray(self.spans))
@@ -88,10 +83,4 @@ class PlacedObjects:
         if lo.any() or (hi != self.tokens).any():
             slots[(t < lo) | (t >= hi)] = -1
         return torch.from_numpy(np.ascontiguousarray(slots))  # the column gather left it column-major
-
-
-def token_slots(block_rows: Sequence[Sequence[int]], block_size: int, tokens: int,
-                skips: Sequence[int], takes: Sequence[int]) -> torch.Tensor:
-    """The ``[C, T]`` slots of :meth:`PlacedObjects.of`'s objects (a store's gather takes them)."""
-    return PlacedObjects.of(block_rows, block_size, tokens, skips, takes).slots()
 
