@@ -13,7 +13,8 @@ scatter's launch everything runs on vLLM's thread, and the forward waits for the
 * ``blocks_path_cold_s``: that path after its caches were swept and 20 ms of polling (as after a
   copy's wait), and ``blocks_path_cold_rehearsed_s`` the same with the path rehearsed over no
   object right before it (``CudaTransfer.rehearse``, ``worker_fetch.REHEARSE_LOADS``);
-* device seconds of the scatter kernel, against a device-to-device copy of the same bytes (the
+* device seconds of the scatter kernels (``scatter_multi``'s per-token one, ``scatter_blocks``'
+  whole-row one for this dense layout), against a device-to-device copy of the same bytes (the
   memory's ceiling for moving them once).
 
     python3 benchmarks/gpu_load_host.py --out results/gpu-load-host-h100.json
@@ -128,11 +129,14 @@ def _measure(eng: CudaTransfer, layout, layers, num_blocks: int, tokens: int, re
     row["blocks_path_cold_rehearsed_s"] = _median_host(blocks_path, reps, before=rehearsed)
     dst = torch.empty_like(pre.stage)
     row["device_s"] = {"scatter_kernel": _median_device(lambda: torch.ops.kvplugin.scatter_multi(*multi, 0), reps),
+                       "scatter_blocks_kernel": _median_device(lambda: torch.ops.kvplugin.scatter_blocks(
+                           list(layers), *where, *multi[2:], 0), reps),
                        "d2d_copy": _median_device(lambda: dst.copy_(pre.stage), reps)}
     for ctas in (264, 528, 1056, 2112, 4224, 8448):
         row["device_s"][f"scatter_kernel_ctas_{ctas}"] = _median_device(
             lambda ctas=ctas: torch.ops.kvplugin.scatter_multi(*multi, ctas), reps)
     row["kernel_over_copy"] = round(row["device_s"]["scatter_kernel"] / row["device_s"]["d2d_copy"], 3)
+    row["blocks_kernel_over_copy"] = round(row["device_s"]["scatter_blocks_kernel"] / row["device_s"]["d2d_copy"], 3)
     eng.release(pre)
     return row
 

@@ -11,6 +11,10 @@
 // slots), so the copy kernel does three magic-number divisions per vector and
 // no slot arithmetic.  Each thread issues 4 independent loads before its
 // stores (streaming cache hints: the data is touched once).
+//
+// A third kernel serves scatter_blocks where a block's rows are dense on both
+// sides (vLLM's NHD layouts, MLA): one CTA per (chunk, layer, K/V, block) moves
+// the block's rows as one run, from the block's offset alone.
 #include <c10/macros/Macros.h>
 
 #include <algorithm>
@@ -104,6 +108,52 @@ __global__ void prepare_kernel(const int64_t* __restrict__ slots, int64_t n, int
   }
 }
 
+constexpr int kRowUnroll = 8;  // a block of 16 rows of 2 KB: one pass of 256 threads
+
+struct RowParams {
+  char* const* layer_ptrs;
+  char* const* chunk_ptrs;
+  const int64_t* block_off;
+  const int64_t* spans;
+  int64_t s_kv_b, row_b, T, C, B;
+  uint32_t segs, KV, per;
+  Div perdiv;
+};
+
+// One CTA per (chunk, layer, kv, block): the block's moved rows, one contiguous run on
+// both sides, in 16-byte vectors; kRowUnroll loads in flight per thread before its stores.
+__global__ void __launch_bounds__(kThreads) rows_kernel(const RowParams p) {
+  for (int64_t c = blockIdx.y; c < p.C; c += gridDim.y) {
+    const int64_t lo_c = p.spans[2 * c], hi_c = p.spans[2 * c + 1];
+    for (uint32_t s = blockIdx.x; s < p.segs; s += gridDim.x) {
+      const auto q = p.perdiv.divmod(s);  // (layer, kv), block of the chunk
+      const int64_t off = p.block_off[c * p.per + q.mod];
+      const int64_t t0 = static_cast<int64_t>(q.mod) * p.B;
+      const int64_t lo = lo_c > t0 ? lo_c - t0 : 0;
+      const int64_t hi = hi_c - t0 < p.B ? hi_c - t0 : p.B;
+      if (off < 0 || hi <= lo) continue;  // the same for the whole CTA
+      const uint32_t kv = q.div % p.KV, l = q.div / p.KV;
+      const uint4* src = reinterpret_cast<const uint4*>(
+          p.chunk_ptrs[c] + (static_cast<int64_t>(q.div) * p.T + t0) * p.row_b);
+      uint4* dst = reinterpret_cast<uint4*>(p.layer_ptrs[l] + off + kv * p.s_kv_b);
+      const int64_t a = lo * p.row_b / 16, b = hi * p.row_b / 16;
+      for (int64_t v = a + threadIdx.x; v < b; v += kThreads * kRowUnroll) {
+        uint4 val[kRowUnroll];
+#pragma unroll
+        for (int k = 0; k < kRowUnroll; ++k) {
+          const int64_t i = v + k * kThreads;
+          if (i < b) val[k] = __ldcs(src + i);
+        }
+#pragma unroll
+        for (int k = 0; k < kRowUnroll; ++k) {
+          const int64_t i = v + k * kThreads;
+          if (i < b) __stcs(dst + i, val[k]);
+        }
+      }
+    }
+  }
+}
+
 template <bool kToChunk>
 cudaError_t launch(const MoveArgs& a, cudaStream_t stream) {
   const int64_t n_vec = a.L * a.KV * a.T * a.H * a.vpr;
@@ -148,6 +198,35 @@ cudaError_t launch(const MoveArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_move(const MoveArgs& a, bool to_chunk, cudaStream_t stream) noexcept {
   return to_chunk ? launch<true>(a, stream) : launch<false>(a, stream);
+}
+
+cudaError_t launch_rows(const RowArgs& a, cudaStream_t stream) noexcept {
+  const int64_t segs = a.L * a.KV * a.per;
+  if (segs <= 0 || a.C <= 0) return cudaSuccess;
+  if (segs >= INT32_MAX || a.KV >= INT32_MAX || a.per >= INT32_MAX || a.row_b % 16 != 0)
+    return cudaErrorInvalidValue;
+  RowParams p;
+  p.layer_ptrs = a.layer_ptrs;
+  p.chunk_ptrs = a.chunk_ptrs;
+  p.block_off = a.block_off;
+  p.spans = a.spans;
+  p.s_kv_b = a.s_kv_b;
+  p.row_b = a.row_b;
+  p.T = a.T;
+  p.C = a.C;
+  p.B = a.block_size;
+  p.segs = static_cast<uint32_t>(segs);
+  p.KV = static_cast<uint32_t>(a.KV);
+  p.per = static_cast<uint32_t>(a.per);
+  p.perdiv = Div(static_cast<unsigned int>(a.per));
+  int64_t gx = segs;
+  int64_t gy = std::min<int64_t>(a.C, 65535);
+  if (a.max_ctas > 0) {
+    gy = std::min<int64_t>(gy, a.max_ctas);
+    gx = std::max<int64_t>(1, std::min<int64_t>(gx, a.max_ctas / gy));
+  }
+  rows_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_prepare(const int64_t* slots, int64_t n, int64_t limit, int64_t block_size,

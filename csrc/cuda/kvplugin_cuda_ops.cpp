@@ -22,7 +22,9 @@
 //                  int max_ctas=0) -> ()
 //     scatter_multi with each chunk's place as host block ids [C, T / block_size] and
 //     the token span [C, 2] written of it (a load's objects as vLLM allocated them:
-//     the per-token offsets are computed here, not by the caller).
+//     the per-token offsets are computed here, not by the caller).  Where a block's
+//     rows are dense (dense_rows) the kernel moves whole rows per block from the
+//     blocks' offsets alone, and no per-token table is built.
 //   dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()
 //   dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()
 //     one cudaMemcpyAsync per run of adjacent host tensors, on the current
@@ -250,11 +252,13 @@ int64_t device_address(const char* op, const at::Tensor& t, const at::Device& de
 }
 
 // The pointer table's head (layers, then one pointer per chunk) and its vector
-// plan; the caller appends one paged byte offset per chunk token (-1: not moved).
+// plan; the caller appends its `tail` values (one paged byte offset per chunk
+// token, -1: not moved; or the rows kernel's block offsets and spans).
 std::vector<int64_t> chunk_table(const char* op, at::TensorList layers, at::TensorList chunks,
-                                 const Geometry& g, const at::Device& device, Plan* plan) {
+                                 const Geometry& g, const at::Device& device, Plan* plan,
+                                 int64_t tail) {
   std::vector<int64_t> table = layer_pointers(layers);
-  table.reserve(g.L + g.C + g.C * g.T);
+  table.reserve(g.L + g.C + tail);
   const int64_t chunk_bytes = g.L * g.KV * g.T * g.H * g.D * g.esize;
   for (const auto& t : chunks) {
     const int64_t addr = device_address(op, t, device);
@@ -264,6 +268,15 @@ std::vector<int64_t> chunk_table(const char* op, at::TensorList layers, at::Tens
   const std::vector<int64_t> cp(table.begin() + g.L, table.end());
   *plan = plan_vectors(g, lp, cp);
   return table;
+}
+
+// Whether every block's token rows are one dense run on the paged side, in the
+// chunk's order (a token's heads, then its dims, one row; the block's rows one
+// after another, across its kernel blocks), with 16-byte vectors everywhere: then
+// scatter_blocks moves whole rows per block (cuda_impl::launch_rows).
+bool dense_rows(const Geometry& g, const Plan& plan) {
+  return plan.W == 16 && g.s_dim == 1 && (g.H == 1 || g.s_head == g.D) && g.s_tok == g.H * g.D &&
+         (g.kbs == g.block_size || g.s_sub == g.kbs * g.s_tok);
 }
 
 // The paged byte offset of a token in slot v (0 <= v < num_blocks * block_size).
@@ -296,7 +309,7 @@ void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
 
   // every slot checked on the host before anything is issued
   Plan plan;
-  std::vector<int64_t> table = chunk_table(op, layers, chunks, g, device, &plan);
+  std::vector<int64_t> table = chunk_table(op, layers, chunks, g, device, &plan, n);
   const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t limit = num_blocks * block_size;
@@ -331,11 +344,13 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
   if (g.C * g.T == 0 || g.L * g.KV * g.H * g.D == 0) return;
 
   Plan plan;
-  std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan);
+  std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan, g.C * (per + 2));
+  const bool rows = dense_rows(g, plan);
+  if (!rows) table.reserve(g.L + g.C + g.C * g.T);
   // a token's offset is its block's plus its place in the block (no division per token)
   const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
-  std::vector<int64_t> within(block_size);
-  for (int64_t k = 0; k < block_size; ++k) within[k] = offset(k);
+  std::vector<int64_t> within(rows ? 0 : block_size);
+  for (int64_t k = 0; k < static_cast<int64_t>(within.size()); ++k) within[k] = offset(k);
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t* sp = spans.data_ptr<int64_t>();
   for (int64_t c = 0; c < g.C; ++c) {
@@ -348,11 +363,37 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
       const bool used = t < hi && end > lo;
       TORCH_CHECK(!used || (id >= 0 && id < num_blocks), op, ": block ", id, " of chunk ", c,
                   " is outside the cache (", num_blocks, " blocks of ", block_size, " tokens)");
-      const int64_t base = used ? offset(id * block_size) : 0;
-      for (int64_t k = 0; t < end; ++t, ++k) table.push_back(t < lo || t >= hi ? -1 : base + within[k]);
+      const int64_t base = used ? offset(id * block_size) : -1;
+      if (rows) {
+        table.push_back(base);
+        t = end;
+      } else {
+        for (int64_t k = 0; t < end; ++t, ++k) table.push_back(t < lo || t >= hi ? -1 : base + within[k]);
+      }
     }
   }
-  launch(op, g, plan, upload(table, device), max_ctas, /*to_chunk=*/false);
+  if (!rows) {
+    launch(op, g, plan, upload(table, device), max_ctas, /*to_chunk=*/false);
+    return;
+  }
+  table.insert(table.end(), sp, sp + 2 * g.C);
+  const at::Tensor dev = upload(table, device);
+  const int64_t* base = dev.data_ptr<int64_t>();
+  cuda_impl::RowArgs a;
+  a.layer_ptrs = reinterpret_cast<char* const*>(base);
+  a.chunk_ptrs = reinterpret_cast<char* const*>(base + g.L);
+  a.block_off = base + g.L + g.C;
+  a.spans = base + g.L + g.C + g.C * per;
+  a.s_kv_b = g.s_kv * g.esize;
+  a.row_b = g.H * g.D * g.esize;
+  a.C = g.C;
+  a.L = g.L;
+  a.KV = g.KV;
+  a.T = g.T;
+  a.per = per;
+  a.block_size = block_size;
+  a.max_ctas = max_ctas;
+  C10_CUDA_CHECK(cuda_impl::launch_rows(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 void gather_multi_cuda(at::TensorList kv_layers, const at::Tensor& slots,
