@@ -12,9 +12,10 @@
 // no slot arithmetic.  Each thread issues 4 independent loads before its
 // stores (streaming cache hints: the data is touched once).
 //
-// A third kernel serves scatter_blocks where a block's rows are dense on both
-// sides (vLLM's NHD layouts, MLA): one CTA per (chunk, layer, K/V, block) moves
-// the block's rows as one run, from the block's offset alone.
+// scatter_blocks has a kernel of its own where every block is one dense run on
+// the paged side (vLLM 0.26's NHD with K and V interleaved per head, MLA): one CTA
+// per (chunk, layer, block[, K/V]) writes the run in order from the block's offset
+// alone, reading each vector from its head's row in the chunk.
 #include <c10/macros/Macros.h>
 
 #include <algorithm>
@@ -108,45 +109,54 @@ __global__ void prepare_kernel(const int64_t* __restrict__ slots, int64_t n, int
   }
 }
 
-constexpr int kRowUnroll = 8;  // a block of 16 rows of 2 KB: one pass of 256 threads
+constexpr int kRunUnroll = 8;  // 8 loads in flight per thread before its stores
 
-struct RowParams {
+struct RunParams {
   char* const* layer_ptrs;
   char* const* chunk_ptrs;
   const int64_t* block_off;
   const int64_t* spans;
-  int64_t s_kv_b, row_b, T, C, B;
-  uint32_t segs, KV, per;
-  Div perdiv;
+  int64_t s_g_b, D_b, T, C, B, H, KV;
+  uint32_t segs, G, per;
+  bool kv_inner;
+  Div perdiv, row_vecs, piece_vecs;
 };
 
-// One CTA per (chunk, layer, kv, block): the block's moved rows, one contiguous run on
-// both sides, in 16-byte vectors; kRowUnroll loads in flight per thread before its stores.
-__global__ void __launch_bounds__(kThreads) rows_kernel(const RowParams p) {
+// One CTA per (chunk, layer, K/V group, block): the block's moved tokens, one
+// contiguous run on the paged side, written in order; each 16-byte vector read from
+// its piece (a head's K or V row) in the chunk.
+__global__ void __launch_bounds__(kThreads) block_runs_kernel(const RunParams p) {
+  const int64_t vpr = p.row_vecs.divisor;
   for (int64_t c = blockIdx.y; c < p.C; c += gridDim.y) {
     const int64_t lo_c = p.spans[2 * c], hi_c = p.spans[2 * c + 1];
     for (uint32_t s = blockIdx.x; s < p.segs; s += gridDim.x) {
-      const auto q = p.perdiv.divmod(s);  // (layer, kv), block of the chunk
+      const auto q = p.perdiv.divmod(s);  // (layer, group), block of the chunk
       const int64_t off = p.block_off[c * p.per + q.mod];
       const int64_t t0 = static_cast<int64_t>(q.mod) * p.B;
       const int64_t lo = lo_c > t0 ? lo_c - t0 : 0;
       const int64_t hi = hi_c - t0 < p.B ? hi_c - t0 : p.B;
       if (off < 0 || hi <= lo) continue;  // the same for the whole CTA
-      const uint32_t kv = q.div % p.KV, l = q.div / p.KV;
-      const uint4* src = reinterpret_cast<const uint4*>(
-          p.chunk_ptrs[c] + (static_cast<int64_t>(q.div) * p.T + t0) * p.row_b);
-      uint4* dst = reinterpret_cast<uint4*>(p.layer_ptrs[l] + off + kv * p.s_kv_b);
-      const int64_t a = lo * p.row_b / 16, b = hi * p.row_b / 16;
-      for (int64_t v = a + threadIdx.x; v < b; v += kThreads * kRowUnroll) {
-        uint4 val[kRowUnroll];
+      const uint32_t g = q.div % p.G, l = q.div / p.G;
+      const char* chunk = p.chunk_ptrs[c];
+      uint4* dst = reinterpret_cast<uint4*>(p.layer_ptrs[l] + off + g * p.s_g_b);
+      const uint32_t a = static_cast<uint32_t>(lo * vpr), b = static_cast<uint32_t>(hi * vpr);
+      for (uint32_t v = a + threadIdx.x; v < b; v += kThreads * kRunUnroll) {
+        uint4 val[kRunUnroll];
 #pragma unroll
-        for (int k = 0; k < kRowUnroll; ++k) {
-          const int64_t i = v + k * kThreads;
-          if (i < b) val[k] = __ldcs(src + i);
+        for (int k = 0; k < kRunUnroll; ++k) {
+          const uint32_t i = v + k * kThreads;
+          if (i < b) {
+            const auto tr = p.row_vecs.divmod(i);         // token in the block, vector in its row
+            const auto pw = p.piece_vecs.divmod(tr.mod);  // piece, vector in the piece
+            const int64_t h = p.kv_inner ? (pw.div >> 1) : pw.div;
+            const int64_t kv = p.kv_inner ? (pw.div & 1u) : g;
+            const int64_t row = ((l * p.KV + kv) * p.T + t0 + tr.div) * p.H + h;
+            val[k] = __ldcs(reinterpret_cast<const uint4*>(chunk + row * p.D_b) + pw.mod);
+          }
         }
 #pragma unroll
-        for (int k = 0; k < kRowUnroll; ++k) {
-          const int64_t i = v + k * kThreads;
+        for (int k = 0; k < kRunUnroll; ++k) {
+          const uint32_t i = v + k * kThreads;
           if (i < b) __stcs(dst + i, val[k]);
         }
       }
@@ -200,32 +210,40 @@ cudaError_t launch_move(const MoveArgs& a, bool to_chunk, cudaStream_t stream) n
   return to_chunk ? launch<true>(a, stream) : launch<false>(a, stream);
 }
 
-cudaError_t launch_rows(const RowArgs& a, cudaStream_t stream) noexcept {
-  const int64_t segs = a.L * a.KV * a.per;
+cudaError_t launch_block_runs(const BlockRunArgs& a, cudaStream_t stream) noexcept {
+  const int64_t segs = a.L * a.G * a.per;
   if (segs <= 0 || a.C <= 0) return cudaSuccess;
-  if (segs >= INT32_MAX || a.KV >= INT32_MAX || a.per >= INT32_MAX || a.row_b % 16 != 0)
+  const int64_t piece_vecs = a.D_b / 16, row_vecs = a.P * piece_vecs;
+  if (a.D_b % 16 != 0 || piece_vecs <= 0 || segs >= INT32_MAX || a.per >= INT32_MAX ||
+      a.G <= 0 || a.block_size * row_vecs >= INT32_MAX || (a.kv_inner && (a.KV != 2 || a.G != 1)))
     return cudaErrorInvalidValue;
-  RowParams p;
+  RunParams p;
   p.layer_ptrs = a.layer_ptrs;
   p.chunk_ptrs = a.chunk_ptrs;
   p.block_off = a.block_off;
   p.spans = a.spans;
-  p.s_kv_b = a.s_kv_b;
-  p.row_b = a.row_b;
+  p.s_g_b = a.s_g_b;
+  p.D_b = a.D_b;
   p.T = a.T;
   p.C = a.C;
   p.B = a.block_size;
+  p.H = a.H;
+  p.KV = a.KV;
   p.segs = static_cast<uint32_t>(segs);
-  p.KV = static_cast<uint32_t>(a.KV);
+  p.G = static_cast<uint32_t>(a.G);
   p.per = static_cast<uint32_t>(a.per);
+  p.kv_inner = a.kv_inner;
   p.perdiv = Div(static_cast<unsigned int>(a.per));
+  p.row_vecs = Div(static_cast<unsigned int>(row_vecs));
+  p.piece_vecs = Div(static_cast<unsigned int>(piece_vecs));
   int64_t gx = segs;
   int64_t gy = std::min<int64_t>(a.C, 65535);
   if (a.max_ctas > 0) {
     gy = std::min<int64_t>(gy, a.max_ctas);
     gx = std::max<int64_t>(1, std::min<int64_t>(gx, a.max_ctas / gy));
   }
-  rows_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(p);
+  block_runs_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0,
+                      stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -31,24 +31,29 @@ struct MoveArgs {
 // n_vec per chunk must be < 2^31 (checked by the caller).
 cudaError_t launch_move(const MoveArgs& a, bool to_chunk, cudaStream_t stream) noexcept;
 
-// One scatter of whole token rows, block by block (scatter_blocks where a token's
-// heads and dims are one dense row on both sides, in the same order, and a block's
-// rows follow one another: 16-byte vectors, no per-token table).  Chunk side: C
-// chunks [L, KV, T, rows of row_b bytes] at chunk_ptrs[c].  Block j of chunk c holds
-// its tokens [j * block_size, (j + 1) * block_size); of them the tokens in
-// [spans[2c], spans[2c + 1]) go to layer_ptrs[l] + block_off[c * per + j] +
-// kv * s_kv_b + (t - j * block_size) * row_b; block_off < 0: the block is not written.
-struct RowArgs {
+// One scatter_blocks launch where every block is one dense run on the paged side
+// (dense_blocks in kvplugin_cuda_ops.cpp): a block's tokens one after another, each
+// token's P pieces of D bytes one after another, no per-token table.  Piece p of a
+// token is head p and K/V `g` of its group (kv_inner false: K and V in separate
+// regions, s_g_b apart, G == KV) or head p / 2 and K/V p % 2 (kv_inner true: a
+// token's K and V interleaved per head, G == 1).  Chunk side: C chunks [L, KV, T, H,
+// D bytes] at chunk_ptrs[c].  Block j of chunk c holds its tokens [j * block_size,
+// (j + 1) * block_size); those in [spans[2c], spans[2c + 1]) go to layer_ptrs[l] +
+// block_off[c * per + j] + g * s_g_b + (t - j * block_size) * P * D;
+// block_off < 0: the block is not written.  D, every pointer and offset: multiples
+// of 16 bytes.
+struct BlockRunArgs {
   char* const* layer_ptrs;  // device array [L]
   char* const* chunk_ptrs;  // device array [C]
   const int64_t* block_off; // device array [C * per], bytes
   const int64_t* spans;     // device array [C * 2], tokens
-  int64_t s_kv_b, row_b;    // row_b a multiple of 16, as every pointer and offset
-  int64_t C, L, KV, T, per, block_size;
+  int64_t s_g_b, D_b;
+  int64_t C, L, KV, T, H, G, P, per, block_size;
+  bool kv_inner;
   int64_t max_ctas;         // 0 = as many as the work needs
 };
 
-cudaError_t launch_rows(const RowArgs& a, cudaStream_t stream) noexcept;
+cudaError_t launch_block_runs(const BlockRunArgs& a, cudaStream_t stream) noexcept;
 
 // Validates n device slots (-1 <= s < limit) and writes byte offsets to tok_off
 // (-1 for skipped or invalid slots); first_bad[0] receives the smallest invalid

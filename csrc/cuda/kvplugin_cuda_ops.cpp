@@ -22,9 +22,9 @@
 //                  int max_ctas=0) -> ()
 //     scatter_multi with each chunk's place as host block ids [C, T / block_size] and
 //     the token span [C, 2] written of it (a load's objects as vLLM allocated them:
-//     the per-token offsets are computed here, not by the caller).  Where a block's
-//     rows are dense (dense_rows) the kernel moves whole rows per block from the
-//     blocks' offsets alone, and no per-token table is built.
+//     the per-token offsets are computed here, not by the caller).  Where every
+//     block is one dense run on the paged side (block_runs) a kernel of its own
+//     writes each run from the block's offset alone: no per-token table.
 //   dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()
 //   dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()
 //     one cudaMemcpyAsync per run of adjacent host tensors, on the current
@@ -270,13 +270,29 @@ std::vector<int64_t> chunk_table(const char* op, at::TensorList layers, at::Tens
   return table;
 }
 
-// Whether every block's token rows are one dense run on the paged side, in the
-// chunk's order (a token's heads, then its dims, one row; the block's rows one
-// after another, across its kernel blocks), with 16-byte vectors everywhere: then
-// scatter_blocks moves whole rows per block (cuda_impl::launch_rows).
-bool dense_rows(const Geometry& g, const Plan& plan) {
-  return plan.W == 16 && g.s_dim == 1 && (g.H == 1 || g.s_head == g.D) && g.s_tok == g.H * g.D &&
-         (g.kbs == g.block_size || g.s_sub == g.kbs * g.s_tok);
+// Where every block of a layer is one dense run on the paged side (16-byte vectors
+// everywhere, a token's heads' rows of D one after another, the block's tokens one
+// after another across its kernel blocks): how scatter_blocks' block-run kernel walks
+// it.  K and V either in separate regions (G = KV groups of P = H pieces, s_kv apart)
+// or interleaved per head (vLLM 0.26's NHD: G = 1, P = 2H, kv_inner).  `use` false:
+// the per-token kernel.
+struct BlockRuns {
+  bool use = false;
+  int64_t G = 1, P = 1, s_g = 0;
+  bool kv_inner = false;
+};
+
+BlockRuns block_runs(const Geometry& g, const Plan& plan) {
+  BlockRuns r;
+  if (plan.W != 16 || g.s_dim != 1) return r;
+  const int64_t row = g.KV * g.H * g.D;
+  const bool whole_blocks = g.kbs == g.block_size || g.s_sub == g.kbs * g.s_tok;
+  if (g.s_tok == g.H * g.D && (g.H == 1 || g.s_head == g.D) && whole_blocks) {
+    r = BlockRuns{true, g.KV, g.H, g.s_kv, false};  // K and V apart (or MLA's one)
+  } else if (g.KV == 2 && g.s_tok == row && g.s_head == 2 * g.D && g.s_kv == g.D && whole_blocks) {
+    r = BlockRuns{true, 1, 2 * g.H, 0, true};  // K and V interleaved per head
+  }
+  return r;
 }
 
 // The paged byte offset of a token in slot v (0 <= v < num_blocks * block_size).
@@ -345,11 +361,11 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
 
   Plan plan;
   std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan, g.C * (per + 2));
-  const bool rows = dense_rows(g, plan);
-  if (!rows) table.reserve(g.L + g.C + g.C * g.T);
+  const BlockRuns runs = block_runs(g, plan);
+  if (!runs.use) table.reserve(g.L + g.C + g.C * g.T);
   // a token's offset is its block's plus its place in the block (no division per token)
   const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
-  std::vector<int64_t> within(rows ? 0 : block_size);
+  std::vector<int64_t> within(runs.use ? 0 : block_size);
   for (int64_t k = 0; k < static_cast<int64_t>(within.size()); ++k) within[k] = offset(k);
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t* sp = spans.data_ptr<int64_t>();
@@ -364,7 +380,7 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
       TORCH_CHECK(!used || (id >= 0 && id < num_blocks), op, ": block ", id, " of chunk ", c,
                   " is outside the cache (", num_blocks, " blocks of ", block_size, " tokens)");
       const int64_t base = used ? offset(id * block_size) : -1;
-      if (rows) {
+      if (runs.use) {
         table.push_back(base);
         t = end;
       } else {
@@ -372,28 +388,32 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
       }
     }
   }
-  if (!rows) {
+  if (!runs.use) {
     launch(op, g, plan, upload(table, device), max_ctas, /*to_chunk=*/false);
     return;
   }
   table.insert(table.end(), sp, sp + 2 * g.C);
   const at::Tensor dev = upload(table, device);
   const int64_t* base = dev.data_ptr<int64_t>();
-  cuda_impl::RowArgs a;
+  cuda_impl::BlockRunArgs a;
   a.layer_ptrs = reinterpret_cast<char* const*>(base);
   a.chunk_ptrs = reinterpret_cast<char* const*>(base + g.L);
   a.block_off = base + g.L + g.C;
   a.spans = base + g.L + g.C + g.C * per;
-  a.s_kv_b = g.s_kv * g.esize;
-  a.row_b = g.H * g.D * g.esize;
+  a.s_g_b = runs.s_g * g.esize;
+  a.D_b = g.D * g.esize;
   a.C = g.C;
   a.L = g.L;
   a.KV = g.KV;
   a.T = g.T;
+  a.H = g.H;
+  a.G = runs.G;
+  a.P = runs.P;
   a.per = per;
   a.block_size = block_size;
+  a.kv_inner = runs.kv_inner;
   a.max_ctas = max_ctas;
-  C10_CUDA_CHECK(cuda_impl::launch_rows(a, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda_impl::launch_block_runs(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 void gather_multi_cuda(at::TensorList kv_layers, const at::Tensor& slots,

@@ -213,9 +213,10 @@ def _slots_from_blocks(blocks, spans, block_size: int) -> torch.Tensor:
 def test_scatter_blocks_matches_reference(case_name, dtype, max_ctas):
     """scatter_blocks (a load's objects given as block ids and spans) writes what the reference
     scatter writes with the contract's per-token slots, from pieces of a staging tensor; the
-    rest of every backing buffer (blocks outside the batch, skipped tokens) is untouched.  Dense
-    rows (NHD, MLA) take the op's whole-row kernel, the other layouts its per-token one; a
-    capped grid (``max_ctas``) walks both kernels' loops."""
+    rest of every backing buffer (blocks outside the batch, skipped tokens) is untouched.  Blocks
+    that are one dense run (the NHD layouts, K and V interleaved or apart, MLA) take the op's
+    block-run kernel, the other layouts its per-token one; a capped grid (``max_ctas``) walks
+    both kernels' loops."""
     gen, case, layout, layers = _setup(case_name, dtype, seed=_seed("blocks", case_name, dtype))
     C, per = 3, 2
     blocks, spans = _blocks_case(layout, C, per, gen)
