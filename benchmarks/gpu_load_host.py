@@ -111,6 +111,8 @@ def _measure(eng: CudaTransfer, layout, layers, num_blocks: int, tokens: int, re
         "scatter_multi_call": _median_host(lambda: torch.ops.kvplugin.scatter_multi(*multi, 0), reps),
         "scatter_blocks_call": _median_host(lambda: torch.ops.kvplugin.scatter_blocks(
             list(layers), *where, *multi[2:], 0), reps),
+        "scatter_blocks_call_block_runs": _median_host(lambda: torch.ops.kvplugin.scatter_blocks(
+            list(layers), *where, *multi[2:], 0, True), reps),
         "event_record": _median_host(lambda: CudaTransfer._event(torch.cuda.current_stream()), reps),
     }
     # the whole host path from the blocks' ids to the scatter's launch, either way
@@ -130,7 +132,7 @@ def _measure(eng: CudaTransfer, layout, layers, num_blocks: int, tokens: int, re
     dst = torch.empty_like(pre.stage)
     row["device_s"] = {"scatter_kernel": _median_device(lambda: torch.ops.kvplugin.scatter_multi(*multi, 0), reps),
                        "scatter_blocks_kernel": _median_device(lambda: torch.ops.kvplugin.scatter_blocks(
-                           list(layers), *where, *multi[2:], 0), reps),
+                           list(layers), *where, *multi[2:], 0, True), reps),
                        "d2d_copy": _median_device(lambda: dst.copy_(pre.stage), reps)}
     for ctas in (264, 528, 1056, 2112, 4224, 8448):
         row["device_s"][f"scatter_kernel_ctas_{ctas}"] = _median_device(

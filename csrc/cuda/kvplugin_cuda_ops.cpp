@@ -19,12 +19,12 @@
 //     or in page-locked host memory (zero-copy through its device mapping).
 //     max_ctas > 0 caps the grid.
 //   scatter_blocks(Tensor(a!)[] kv_layers, Tensor blocks, Tensor spans, ..., Tensor[] srcs,
-//                  int max_ctas=0) -> ()
+//                  int max_ctas=0, bool block_runs=False) -> ()
 //     scatter_multi with each chunk's place as host block ids [C, T / block_size] and
 //     the token span [C, 2] written of it (a load's objects as vLLM allocated them:
-//     the per-token offsets are computed here, not by the caller).  Where every
-//     block is one dense run on the paged side (block_runs) a kernel of its own
-//     writes each run from the block's offset alone: no per-token table.
+//     the per-token offsets are computed here, not by the caller).  block_runs:
+//     where every block is one dense run on the paged side (block_runs()) a kernel
+//     of its own writes each run from the block's offset alone, no per-token table.
 //   dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()
 //   dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()
 //     one cudaMemcpyAsync per run of adjacent host tensors, on the current
@@ -345,7 +345,7 @@ void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
 void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
                          const at::Tensor& spans, at::IntArrayRef strides, int64_t block_size,
                          int64_t kernel_block_size, int64_t num_blocks, at::TensorList srcs,
-                         int64_t max_ctas) {
+                         int64_t max_ctas, bool block_runs_on) {
   const char* op = "kvplugin::scatter_blocks";
   TORCH_CHECK(!kv_layers.empty(), op, ": no layers");
   const Geometry g = multi_geometry(op, kv_layers, strides, block_size, kernel_block_size,
@@ -361,7 +361,7 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
 
   Plan plan;
   std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan, g.C * (per + 2));
-  const BlockRuns runs = block_runs(g, plan);
+  const BlockRuns runs = block_runs_on ? block_runs(g, plan) : BlockRuns{};
   if (!runs.use) table.reserve(g.L + g.C + g.C * g.T);
   // a token's offset is its block's plus its place in the block (no division per token)
   const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
@@ -487,7 +487,8 @@ TORCH_LIBRARY_FRAGMENT(kvplugin, m) {
       "int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0) -> ()");
   m.def(
       "scatter_blocks(Tensor(a!)[] kv_layers, Tensor blocks, Tensor spans, int[] strides, "
-      "int block_size, int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0) -> ()");
+      "int block_size, int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0, "
+      "bool block_runs=False) -> ()");
   m.def("dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()");
   m.def("dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()");
 }

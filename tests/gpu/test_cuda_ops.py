@@ -207,16 +207,16 @@ def _slots_from_blocks(blocks, spans, block_size: int) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-@pytest.mark.parametrize("max_ctas", [0, 3])
+@pytest.mark.parametrize(("block_runs", "max_ctas"), [(False, 0), (True, 0), (True, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("case_name", CASES)
-def test_scatter_blocks_matches_reference(case_name, dtype, max_ctas):
+def test_scatter_blocks_matches_reference(case_name, dtype, block_runs, max_ctas):
     """scatter_blocks (a load's objects given as block ids and spans) writes what the reference
     scatter writes with the contract's per-token slots, from pieces of a staging tensor; the
-    rest of every backing buffer (blocks outside the batch, skipped tokens) is untouched.  Blocks
-    that are one dense run (the NHD layouts, K and V interleaved or apart, MLA) take the op's
-    block-run kernel, the other layouts its per-token one; a capped grid (``max_ctas``) walks
-    both kernels' loops."""
+    rest of every backing buffer (blocks outside the batch, skipped tokens) is untouched.  With
+    ``block_runs``, blocks that are one dense run (the NHD layouts, K and V interleaved or apart,
+    MLA) take the op's block-run kernel, the other layouts its per-token one (as without); a
+    capped grid (``max_ctas``) walks the block-run kernel's loops."""
     gen, case, layout, layers = _setup(case_name, dtype, seed=_seed("blocks", case_name, dtype))
     C, per = 3, 2
     blocks, spans = _blocks_case(layout, C, per, gen)
@@ -226,7 +226,8 @@ def test_scatter_blocks_matches_reference(case_name, dtype, max_ctas):
     _, expect_layers = build_layout(case.src, case.make_views(expect_raws))
     reference_scatter(layout, _ref_views(expect_layers, dtype), _slots_from_blocks(blocks, spans, layout.block_size),
                       _ref_chunk(stage))
-    torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [stage[0:1], stage[1:3]], max_ctas)
+    torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [stage[0:1], stage[1:3]], max_ctas,
+                                      block_runs)
     torch.cuda.synchronize()
     for got, want in zip(case.raws, expect_raws):
         assert torch.equal(got, want), f"{case.name} {dtype}: scatter_blocks differs from the reference"

@@ -584,18 +584,19 @@ def test_two_prefetches_are_scattered_by_one_load(landed):
         eng.load(layout, layers, slots[order], [bufs[i] for i in order], staged=parts[:1])
 
 
-@pytest.mark.parametrize("by_blocks", [True, False])
+@pytest.mark.parametrize(("by_blocks", "block_runs"), [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("landed", [True, False])
-def test_staged_load_given_block_ids(monkeypatch, landed, by_blocks):
+def test_staged_load_given_block_ids(monkeypatch, landed, by_blocks, block_runs):
     """A staged load whose objects are given as block ids (the worker's ``PlacedObjects``): the
-    scatter op takes them as they are (``SCATTER_BY_BLOCKS``) or the engine makes per-token
-    slots first (the A/B's other side); landed or still in pieces (each run a slice of the
-    placement), the poisoned cache then holds what the reference scatter writes, partial
-    first and last objects included."""
+    scatter op takes them as they are (``SCATTER_BY_BLOCKS``; with ``BLOCK_RUNS`` its block-run
+    kernel) or the engine makes per-token slots first (the A/B's other side); landed or still
+    in pieces (each run a slice of the placement), the poisoned cache then holds what the
+    reference scatter writes, partial first and last objects included."""
     from vllm_kvplugin.transfer import cuda as cuda_mod
     from vllm_kvplugin.transfer.placement import PlacedObjects
 
     monkeypatch.setattr(cuda_mod, "SCATTER_BY_BLOCKS", by_blocks)
+    monkeypatch.setattr(cuda_mod, "BLOCK_RUNS", block_runs)
     eng = CudaTransfer(torch.device("cuda", torch.cuda.current_device()))
     if not eng.kernel:
         pytest.skip("staged loads need the CUDA kernel")

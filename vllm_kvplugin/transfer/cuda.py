@@ -106,6 +106,10 @@ STAGING_RESERVE_BYTES = 2 << 30
 #: them to ``kvplugin::scatter_blocks``, which places each token in C++ (False: the per-token slots
 #: are built in numpy and checked, then ``scatter_multi``, as before; the A/B's other side)
 SCATTER_BY_BLOCKS = True
+#: ``scatter_blocks`` writes each block of a layout whose blocks are dense runs (vLLM's NHD, MLA)
+#: with its block-run kernel, from the block's offset alone (no per-token table).  Off until its
+#: GPU tests and timings have run (bench mode ``kvplugin-block-runs``).
+BLOCK_RUNS = False
 
 
 class CudaTransfer(StorePath):
@@ -304,7 +308,7 @@ class CudaTransfer(StorePath):
                         max_ctas: int) -> None:
         blocks, spans = placed.tensors()
         torch.ops.kvplugin.scatter_blocks(list(layers), blocks, spans, list(layout.strides), layout.block_size,
-                                          layout.kernel_block_size, layout.num_blocks, srcs, max_ctas)
+                                          layout.kernel_block_size, layout.num_blocks, srcs, max_ctas, BLOCK_RUNS)
 
     def rehearse(self, layout: KVLayout, layers: Sequence[torch.Tensor], placed: PlacedObjects) -> None:
         """A staged load's host path over no object (``WorkerSide._rehearse_load``): the scatter
