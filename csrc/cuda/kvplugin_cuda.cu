@@ -1,5 +1,5 @@
 // The CUDA kernels of kvplugin::gather / scatter (and of the transfer engine's
-// gather_multi / scatter_multi).  Launchers only: argument checks, errors,
+// gather_multi / scatter_multi / scatter_blocks).  Launchers only: argument checks, errors,
 // pointer tables and op registration are in kvplugin_cuda_ops.cpp.
 //
 // One kernel serves both ops and both directions.  It walks the chunk side in

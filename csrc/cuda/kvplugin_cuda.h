@@ -32,7 +32,7 @@ struct MoveArgs {
 cudaError_t launch_move(const MoveArgs& a, bool to_chunk, cudaStream_t stream) noexcept;
 
 // One scatter_blocks launch where every block is one dense run on the paged side
-// (dense_blocks in kvplugin_cuda_ops.cpp): a block's tokens one after another, each
+// (block_runs() in kvplugin_cuda_ops.cpp): a block's tokens one after another, each
 // token's P pieces of D bytes one after another, no per-token table.  Piece p of a
 // token is head p and K/V `g` of its group (kv_inner false: K and V in separate
 // regions, s_g_b apart, G == KV) or head p / 2 and K/V p % 2 (kv_inner true: a

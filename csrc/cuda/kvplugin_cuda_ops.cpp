@@ -253,7 +253,7 @@ int64_t device_address(const char* op, const at::Tensor& t, const at::Device& de
 
 // The pointer table's head (layers, then one pointer per chunk) and its vector
 // plan; the caller appends its `tail` values (one paged byte offset per chunk
-// token, -1: not moved; or the rows kernel's block offsets and spans).
+// token, -1: not moved; or the block-run kernel's block offsets and spans).
 std::vector<int64_t> chunk_table(const char* op, at::TensorList layers, at::TensorList chunks,
                                  const Geometry& g, const at::Device& device, Plan* plan,
                                  int64_t tail) {
