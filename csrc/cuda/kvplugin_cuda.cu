@@ -164,6 +164,18 @@ __global__ void __launch_bounds__(kThreads) block_runs_kernel(const RunParams p)
   }
 }
 
+// The grid of a launch over C chunks of per_chunk CTAs each (y: chunks, x: a chunk's
+// CTAs; both loop), at most max_ctas CTAs when max_ctas > 0.
+dim3 chunk_grid(int64_t per_chunk, int64_t C, int64_t max_ctas) {
+  int64_t gx = per_chunk;
+  int64_t gy = std::min<int64_t>(C, 65535);
+  if (max_ctas > 0) {
+    gy = std::min<int64_t>(gy, max_ctas);
+    gx = std::max<int64_t>(1, std::min<int64_t>(gx, max_ctas / gy));
+  }
+  return dim3(static_cast<unsigned>(std::min<int64_t>(gx, INT32_MAX)), static_cast<unsigned>(gy));
+}
+
 template <bool kToChunk>
 cudaError_t launch(const MoveArgs& a, cudaStream_t stream) {
   const int64_t n_vec = a.L * a.KV * a.T * a.H * a.vpr;
@@ -185,14 +197,7 @@ cudaError_t launch(const MoveArgs& a, cudaStream_t stream) {
   p.H = Div(static_cast<unsigned int>(a.H));
   p.Tdiv = Div(static_cast<unsigned int>(a.T));
   const int64_t tile = kThreads * kUnroll;
-  int64_t gx = (n_vec + tile - 1) / tile;
-  int64_t gy = std::min<int64_t>(a.C, 65535);
-  if (a.max_ctas > 0) {
-    gy = std::min<int64_t>(gy, a.max_ctas);
-    gx = std::max<int64_t>(1, std::min<int64_t>(gx, a.max_ctas / gy));
-  }
-  gx = std::min<int64_t>(gx, INT32_MAX);
-  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+  const dim3 grid = chunk_grid((n_vec + tile - 1) / tile, a.C, a.max_ctas);
   switch (a.vec_bytes) {
     case 16: move_kernel<uint4, kToChunk><<<grid, kThreads, 0, stream>>>(p); break;
     case 8: move_kernel<uint2, kToChunk><<<grid, kThreads, 0, stream>>>(p); break;
@@ -236,14 +241,7 @@ cudaError_t launch_block_runs(const BlockRunArgs& a, cudaStream_t stream) noexce
   p.perdiv = Div(static_cast<unsigned int>(a.per));
   p.row_vecs = Div(static_cast<unsigned int>(row_vecs));
   p.piece_vecs = Div(static_cast<unsigned int>(piece_vecs));
-  int64_t gx = segs;
-  int64_t gy = std::min<int64_t>(a.C, 65535);
-  if (a.max_ctas > 0) {
-    gy = std::min<int64_t>(gy, a.max_ctas);
-    gx = std::max<int64_t>(1, std::min<int64_t>(gx, a.max_ctas / gy));
-  }
-  block_runs_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0,
-                      stream>>>(p);
+  block_runs_kernel<<<chunk_grid(segs, a.C, a.max_ctas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
