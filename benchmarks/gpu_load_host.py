@@ -14,8 +14,8 @@ scatter's launch everything runs on vLLM's thread, and the forward waits for the
   copy's wait), and ``blocks_path_cold_rehearsed_s`` the same with the path rehearsed over no
   object right before it (``CudaTransfer.rehearse``, ``worker_fetch.REHEARSE_LOADS``);
 * device seconds of the scatter kernels (``scatter_multi``'s per-token one, ``scatter_blocks``'
-  block-run one for this layout, whose blocks are dense runs), against a device-to-device copy of the same bytes (the
-  memory's ceiling for moving them once).
+  block-run one: this layout's blocks are dense runs), against a device-to-device copy of the
+  same bytes (the memory's ceiling for moving them once).
 
     python3 benchmarks/gpu_load_host.py --out results/gpu-load-host-h100.json
 """
