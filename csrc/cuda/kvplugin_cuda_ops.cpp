@@ -19,12 +19,13 @@
 //     or in page-locked host memory (zero-copy through its device mapping).
 //     max_ctas > 0 caps the grid.
 //   scatter_blocks(Tensor(a!)[] kv_layers, Tensor blocks, Tensor spans, ..., Tensor[] srcs,
-//                  int max_ctas=0, bool block_runs=False) -> ()
+//                  int max_ctas=0, bool block_runs=False) -> int
 //     scatter_multi with each chunk's place as host block ids [C, T / block_size] and
 //     the token span [C, 2] written of it (a load's objects as vLLM allocated them:
 //     the per-token offsets are computed here, not by the caller).  block_runs:
 //     where every block is one dense run on the paged side (block_runs()) a kernel
 //     of its own writes each run from the block's offset alone, no per-token table.
+//     Returns 1 when that kernel ran, else 0.
 //   dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()
 //   dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()
 //     one cudaMemcpyAsync per run of adjacent host tensors, on the current
@@ -282,9 +283,12 @@ struct BlockRuns {
   bool kv_inner = false;
 };
 
-BlockRuns block_runs(const Geometry& g, const Plan& plan) {
+BlockRuns block_runs(const Geometry& g, const Plan& plan, int64_t per) {
   BlockRuns r;
-  if (plan.W != 16 || g.s_dim != 1) return r;
+  // (and within the kernel's 32-bit indices: a block's vectors, a chunk's CTAs)
+  if (plan.W != 16 || g.s_dim != 1 || g.block_size * g.KV * g.H * g.D * g.esize / 16 >= INT32_MAX ||
+      g.L * g.KV * per >= INT32_MAX)
+    return r;
   const int64_t row = g.KV * g.H * g.D;
   const bool whole_blocks = g.kbs == g.block_size || g.s_sub == g.kbs * g.s_tok;
   if (g.s_tok == g.H * g.D && (g.H == 1 || g.s_head == g.D) && whole_blocks) {
@@ -342,7 +346,7 @@ void move_multi(const char* op, at::TensorList layers, const at::Tensor& slots,
 // goes to slot blocks[c][t / block_size] * block_size + t % block_size when
 // spans[c][0] <= t < spans[c][1], and nowhere otherwise.  Every block id that
 // holds a moved token is checked before anything is issued.
-void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
+int64_t scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
                          const at::Tensor& spans, at::IntArrayRef strides, int64_t block_size,
                          int64_t kernel_block_size, int64_t num_blocks, at::TensorList srcs,
                          int64_t max_ctas, bool block_runs_on) {
@@ -357,12 +361,12 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
   check_host_index(op, "spans", spans, g.C, 2);
   const at::Device device = kv_layers[0].device();
   c10::cuda::CUDAGuard guard(device);
-  if (g.C * g.T == 0 || g.L * g.KV * g.H * g.D == 0) return;
+  if (g.C * g.T == 0 || g.L * g.KV * g.H * g.D == 0) return 0;
 
   Plan plan;
-  std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan, g.C * (per + 2));
-  const BlockRuns runs = block_runs_on ? block_runs(g, plan) : BlockRuns{};
-  if (!runs.use) table.reserve(g.L + g.C + g.C * g.T);
+  std::vector<int64_t> table = chunk_table(op, kv_layers, srcs, g, device, &plan, 0);
+  const BlockRuns runs = block_runs_on ? block_runs(g, plan, per) : BlockRuns{};
+  table.reserve(table.size() + (runs.use ? g.C * (per + 2) : g.C * g.T));
   // a token's offset is its block's plus its place in the block (no division per token)
   const SlotOffsets offset = slot_offsets(g, block_size, kernel_block_size);
   std::vector<int64_t> within(runs.use ? 0 : block_size);
@@ -390,7 +394,7 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
   }
   if (!runs.use) {
     launch(op, g, plan, upload(table, device), max_ctas, /*to_chunk=*/false);
-    return;
+    return 0;
   }
   table.insert(table.end(), sp, sp + 2 * g.C);
   const at::Tensor dev = upload(table, device);
@@ -414,6 +418,7 @@ void scatter_blocks_cuda(at::TensorList kv_layers, const at::Tensor& blocks,
   a.kv_inner = runs.kv_inner;
   a.max_ctas = max_ctas;
   C10_CUDA_CHECK(cuda_impl::launch_block_runs(a, c10::cuda::getCurrentCUDAStream()));
+  return 1;
 }
 
 void gather_multi_cuda(at::TensorList kv_layers, const at::Tensor& slots,
@@ -488,7 +493,7 @@ TORCH_LIBRARY_FRAGMENT(kvplugin, m) {
   m.def(
       "scatter_blocks(Tensor(a!)[] kv_layers, Tensor blocks, Tensor spans, int[] strides, "
       "int block_size, int kernel_block_size, int num_blocks, Tensor[] srcs, int max_ctas=0, "
-      "bool block_runs=False) -> ()");
+      "bool block_runs=False) -> int");
   m.def("dma_to_host(Tensor src, Tensor(a!)[] dsts) -> ()");
   m.def("dma_from_host(Tensor[] srcs, Tensor(a!) dst) -> ()");
 }

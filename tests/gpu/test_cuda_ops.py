@@ -207,6 +207,17 @@ def _slots_from_blocks(blocks, spans, block_size: int) -> torch.Tensor:
                         dtype=torch.int64)
 
 
+#: the catalogue's layouts whose every block is one dense run of 16-byte vectors on the paged
+#: side (a token's head rows one after another, K and V apart or interleaved per head, a block's
+#: tokens one after another across its kernel blocks): HND, the CPU backend's, strided or
+#: 6-byte head dims and K/V inside a kernel block are not
+BLOCK_RUN_LAYOUTS = {
+    "v026-nhd", "v026-nhd-kernel-split", "v026-nhd-padded", "v026-mla", "v026-mla-kernel-split",
+    "v032-BLNHC", "v032-BLNHC-padded", "v032-LBNHC", "v032-LBNHC-kernel-split", "v032-LBNHC-padded",
+    "v032-mla", "v032-mla-kernel-split", "split-block-first", "split-kv-first", "split-kv-first-kernel-split",
+}
+
+
 @pytest.mark.parametrize(("block_runs", "max_ctas"), [(False, 0), (True, 0), (True, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("case_name", CASES)
@@ -215,8 +226,9 @@ def test_scatter_blocks_matches_reference(case_name, dtype, block_runs, max_ctas
     scatter writes with the contract's per-token slots, from pieces of a staging tensor; the
     rest of every backing buffer (blocks outside the batch, skipped tokens) is untouched.  With
     ``block_runs``, blocks that are one dense run (the NHD layouts, K and V interleaved or apart,
-    MLA) take the op's block-run kernel, the other layouts its per-token one (as without); a
-    capped grid (``max_ctas``) walks the block-run kernel's loops."""
+    MLA: :data:`BLOCK_RUN_LAYOUTS`) take the op's block-run kernel, which it reports, the other
+    layouts its per-token one (as without); a capped grid (``max_ctas``) walks the block-run
+    kernel's loops."""
     gen, case, layout, layers = _setup(case_name, dtype, seed=_seed("blocks", case_name, dtype))
     C, per = 3, 2
     blocks, spans = _blocks_case(layout, C, per, gen)
@@ -226,11 +238,12 @@ def test_scatter_blocks_matches_reference(case_name, dtype, block_runs, max_ctas
     _, expect_layers = build_layout(case.src, case.make_views(expect_raws))
     reference_scatter(layout, _ref_views(expect_layers, dtype), _slots_from_blocks(blocks, spans, layout.block_size),
                       _ref_chunk(stage))
-    torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [stage[0:1], stage[1:3]], max_ctas,
-                                      block_runs)
+    ran = torch.ops.kvplugin.scatter_blocks(layers, blocks, spans, *_args(layout), [stage[0:1], stage[1:3]],
+                                            max_ctas, block_runs)
     torch.cuda.synchronize()
     for got, want in zip(case.raws, expect_raws):
         assert torch.equal(got, want), f"{case.name} {dtype}: scatter_blocks differs from the reference"
+    assert ran == (block_runs and case_name in BLOCK_RUN_LAYOUTS), f"{case.name}: block-run kernel ran: {ran}"
 
 
 @pytest.mark.parametrize("bad", ["block-past-end", "block-negative", "span-past-end", "span-backwards",
