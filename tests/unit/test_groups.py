@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,6 +84,14 @@ def test_what_one_object_covers_and_where_it_is_copied():
     assert rec.object_tokens(1, 256) == (0, 512)
     assert rec.object_blocks(table, 1, 256, hit_end=512) == (13,)
     assert rec.object_blocks(table, 0, 256, hit_end=256) == (11,)
+    # many objects at once, as a load places them: the same, written out by hand
+    assert full.objects_blocks(table, [0, 2, 1], 256) == [(10, 11), (14, 15), (12, 13)]
+    assert win.objects_blocks(table, [0, 1, 2], 256) == [(11,), (13,), (15,)]
+    assert rec.objects_blocks(table, [1], 256, hit_end=512) == [(13,)]
+    assert full.object_starts(np.array([0, 2]), 256).tolist() == [0, 512]
+    assert win.object_starts(np.array([0, 2]), 256).tolist() == [128, 640]
+    with pytest.raises(ValueError, match="holds states, not tokens"):
+        rec.object_starts(np.array([1]), 256)
 
 
 def test_unknown_spec_is_refused_naming_it():

@@ -365,9 +365,9 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         if num_external_tokens != plan.num_tokens:
             plan = self._shrink(plan, num_external_tokens)
         block_ids = [list(b) for b in blocks.get_block_ids()]
-        jobs = [LoadJob(tr.keys[o.position], o.position, o.group,
-                        self.groups[o.group].object_blocks(block_ids[o.group], o.position, self.chunk_size, plan.end),
-                        o.lo, o.hi)
+        rows = [iter(spec.objects_blocks(block_ids[g], [o.position for o in plan.objects if o.group == g],
+                                         self.chunk_size, plan.end)) for g, spec in enumerate(self.groups)]
+        jobs = [LoadJob(tr.keys[o.position], o.position, o.group, next(rows[o.group]), o.lo, o.hi)
                 for o in plan.objects]
         load = LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens)
         if not self._load_here(load):

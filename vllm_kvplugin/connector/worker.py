@@ -19,6 +19,7 @@ wrote).  Nothing here may crash the engine or serve doubtful KV.  Stores are
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_kvplugin import counters
@@ -204,9 +206,11 @@ class WorkerSide(FetchPath, StorePath):
         each job's ``[lo, hi)`` as the tokens moved."""
         g, spec = jobs[0].group, self.groups[jobs[0].group]
         tokens = spec.stored_tokens(self.chunk_size)
-        firsts = [spec.object_tokens(j.position, self.chunk_size)[0] for j in jobs]
+        where = np.fromiter(itertools.chain.from_iterable((j.position, j.lo, j.hi) for j in jobs),
+                            dtype=np.int64, count=3 * len(jobs)).reshape(-1, 3)
+        firsts = spec.object_starts(where[:, 0], self.chunk_size)
         return PlacedObjects.of([j.block_ids for j in jobs], self.layouts[g].block_size, tokens,
-                                [j.lo - f for j, f in zip(jobs, firsts)], [j.hi - f for j, f in zip(jobs, firsts)])
+                                where[:, 1] - firsts, where[:, 2] - firsts)
 
     def object_slots(self, jobs: Sequence[LoadJob | StoreJob]) -> torch.Tensor:
         """``[C, T]`` paged slots of the objects of ``jobs`` (one group): tokens outside each

@@ -20,9 +20,11 @@ kind decides everything downstream, in one place:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from vllm_kvplugin.chunk.format import layers_digest, state_spec
@@ -116,6 +118,13 @@ class GroupSpec:
         end = (position + 1) * chunk_size
         return (0, end) if self.is_state else (end - self.stored_tokens(chunk_size), end)
 
+    def object_starts(self, positions: np.ndarray, chunk_size: int) -> np.ndarray:
+        """The first token of each of the objects ``positions`` (KV groups: ``object_tokens``'
+        start, for many objects at once)."""
+        if self.is_state:
+            raise ValueError(f"group {self.index} ({self.spec_name}) holds states, not tokens")
+        return (positions + 1) * chunk_size - self.stored_tokens(chunk_size)
+
     def object_blocks(self, block_ids: list[int], position: int, chunk_size: int,
                       hit_end: int = 0) -> tuple[int, ...]:
         """The blocks of ``block_ids`` (this group's, of one request) that object ``position``
@@ -124,6 +133,15 @@ class GroupSpec:
             return (block_ids[hit_end // self.block_size - 1],)
         lo, end = self.object_tokens(position, chunk_size)
         return tuple(block_ids[lo // self.block_size:end // self.block_size])
+
+    def objects_blocks(self, block_ids: list[int], positions: Sequence[int], chunk_size: int,
+                       hit_end: int = 0) -> list[tuple[int, ...]]:
+        """:meth:`object_blocks` of each of ``positions`` (a load's objects, on vLLM's thread
+        between its allocation of their blocks and the forward: one pass, no call per object)."""
+        if self.is_state:
+            return [self.object_blocks(block_ids, p, chunk_size, hit_end) for p in positions]
+        B, C, tokens = self.block_size, chunk_size, self.stored_tokens(chunk_size)
+        return [tuple(block_ids[((p + 1) * C - tokens) // B:(p + 1) * C // B]) for p in positions]
 
     def object_bytes(self, chunk_size: int) -> int:
         """Payload bytes of one chunk object of this group."""

@@ -41,7 +41,7 @@ class PlacedObjects:
 
     @classmethod
     def of(cls, block_rows: Sequence[Sequence[int]], block_size: int, tokens: int,
-           skips: Sequence[int], takes: Sequence[int]) -> PlacedObjects:
+           skips: Sequence[int] | np.ndarray, takes: Sequence[int] | np.ndarray) -> PlacedObjects:
         """From each object's block ids and the token range ``[skips[c], takes[c])`` written
         (clipped to the object; an empty range writes nothing)."""
         bad = next((b for b in block_rows if len(b) * block_size != tokens), None)
@@ -49,8 +49,10 @@ class PlacedObjects:
             raise ChunkError("plan", f"{len(bad)} blocks of {block_size} for an object of {tokens} tokens")
         C, per = len(block_rows), tokens // block_size
         blocks = np.fromiter(itertools.chain.from_iterable(block_rows), dtype=np.int64, count=C * per)
-        spans = np.array([skips, takes], dtype=np.int64).reshape(2, C).T.copy()
-        np.clip(spans, 0, tokens, out=spans)
+        spans = np.empty((C, 2), dtype=np.int64)
+        spans[:, 0], spans[:, 1] = skips, takes
+        np.maximum(spans, 0, out=spans)  # (ufuncs: np.clip's Python wrapper costs more than these)
+        np.minimum(spans, tokens, out=spans)
         np.maximum(spans[:, 1], spans[:, 0], out=spans[:, 1])
         return cls(blocks.reshape(C, per), spans, block_size, tokens)
 
