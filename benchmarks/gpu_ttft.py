@@ -26,8 +26,8 @@ prompts in the same order:
   (``start_load_kv``), as before ``scheduler_lone.LOAD_AT_ALLOCATION`` (not in the default set);
 * ``kvplugin-slots`` - ``kvplugin`` whose staged loads build and check per-token slots in numpy
   for ``scatter_multi``, as before ``cuda.SCATTER_BY_BLOCKS`` (not in the default set);
-* ``kvplugin-block-runs`` - ``kvplugin`` whose staged loads use ``scatter_blocks``' block-run
-  kernel (``cuda.BLOCK_RUNS``; not in the default set);
+* ``kvplugin-per-token`` - ``kvplugin`` whose staged loads take ``scatter_blocks``' per-token
+  kernel for every layout, as before ``cuda.BLOCK_RUNS`` (not in the default set);
 * ``kvplugin-rehearse`` - ``kvplugin`` whose lone fetches rehearse their load's host path as
   their copy ends (``worker_fetch.REHEARSE_LOADS``; not in the default set);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
@@ -164,8 +164,8 @@ def mode_knobs(mode: str) -> None:
         worker_fetch.REHEARSE_LOADS = True
     if mode == "kvplugin-slots":  # staged loads scattered by per-token slots, not block ids
         cuda.SCATTER_BY_BLOCKS = False
-    if mode == "kvplugin-block-runs":  # scatter_blocks' block-run kernel where the blocks are dense runs
-        cuda.BLOCK_RUNS = True
+    if mode == "kvplugin-per-token":  # scatter_blocks' per-token kernel, also where the blocks are dense runs
+        cuda.BLOCK_RUNS = False
     if mode == "kvplugin-server-resolving":  # the worker resolves a hit's objects, as with several ranks
         from vllm_kvplugin.tiers import mp
         mp.LOOKUP_RESOLVES = False
