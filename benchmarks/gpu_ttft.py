@@ -30,6 +30,8 @@ prompts in the same order:
   kernel for every layout, as before ``cuda.BLOCK_RUNS`` (not in the default set);
 * ``kvplugin-rehearse`` - ``kvplugin`` whose lone fetches rehearse their load's host path as
   their copy ends (``worker_fetch.REHEARSE_LOADS``; not in the default set);
+* any mode with ``-untimed`` (e.g. ``kvplugin-untimed``): that mode's engine without the stage
+  timers (no stages in its rows; what the timers on vLLM's thread add to its times);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
 * ``kvplugin-server-threaded`` - ``kvplugin-server`` whose lone requests' lookups go to the index's
   thread, as before ``scheduler_lone.LOOKUP_HERE`` (not in the default set);
@@ -140,6 +142,12 @@ def graph_kwargs(graphs: str, streams: int) -> dict:
     return {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": sizes}}
 
 
+#: a mode's name with this suffix: the same engine without stage timers (``stage_timers``' wrappers
+#: run on vLLM's thread, a dozen of them between a hit's last byte and its scatter, and record
+#: CUDA events there; the engine's own hit passes few of them): what they add to the bars
+UNTIMED = "-untimed"
+
+
 def mode_knobs(mode: str) -> None:
     """In a mode's child, before its engine: the plugin's module constants that mode changes
     (each read when the engine registers)."""
@@ -188,7 +196,8 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
     from stage_timers import StageTimers
     from vllm import LLM
 
-    timers = StageTimers().install() if torch.cuda.is_available() else None
+    timers = StageTimers().install() if torch.cuda.is_available() and not mode.endswith(UNTIMED) else None
+    mode = mode.removesuffix(UNTIMED)
     mode_knobs(mode)
     ktc = transfer_config(mode, args.chunk, args.host_bytes, server)
     if ktc is not None and mode.startswith("kvplugin") and args.gpu_staging_bytes is not None:
@@ -210,7 +219,8 @@ def _kv_bytes_for(tokens: int) -> int:
 
 def _probe(llm, mode: str, timers) -> TTFTProbe:
     # settle: asynchronous stores (vLLM's offloading) finish before the warm request
-    return TTFTProbe(llm, reset_prefix_cache=mode != "vllm-apc", primer=True, settle_s=0.5, timers=timers)
+    return TTFTProbe(llm, reset_prefix_cache=mode.removesuffix(UNTIMED) != "vllm-apc", primer=True, settle_s=0.5,
+                     timers=timers)
 
 
 def run_mode(mode: str, args, lengths: list[int]) -> dict:
@@ -218,7 +228,8 @@ def run_mode(mode: str, args, lengths: list[int]) -> dict:
     import vllm_kvplugin
 
     llm, timers = _engine(mode, args, lengths, args.server, side_by_side=False)
-    rows = measure(llm, lengths, reset_prefix_cache=mode != "vllm-apc", primer=True, settle_s=0.5, timers=timers)
+    rows = measure(llm, lengths, reset_prefix_cache=mode.removesuffix(UNTIMED) != "vllm-apc", primer=True,
+                   settle_s=0.5, timers=timers)
     stats = vllm_kvplugin.stats() if mode.startswith("kvplugin") else None
     return {"mode": mode, "rows": rows, "kvplugin_stats": stats}
 

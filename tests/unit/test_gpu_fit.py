@@ -28,6 +28,11 @@ TTFT_64K_KV = 11 * GiB  # gpu_ttft's KV room for a 65,537-token prompt
     ("kvplugin,kvplugin-server,kvplugin-server-resolving", 6 * GiB, 6 * GiB, False),
     ("kvplugin,kvplugin-server,kvplugin-server-resolving", 5 * GiB, 5 * GiB, False),
     ("kvplugin,kvplugin-server,kvplugin-server-resolving", 3 * GiB, 3 * GiB, True),
+    # ran on an H100 (2026-12-07): three TTFT engines with 5 GiB each, two of them the plugin's
+    # (an untimed mode's engine is the same engine: its staging counts alike)
+    ("vllm-apc,kvplugin,kvplugin-rehearse", 5 * GiB, 5 * GiB, True),
+    ("vllm-apc,kvplugin,kvplugin-untimed", 5 * GiB, 5 * GiB, True),
+    ("vllm-apc,kvplugin,kvplugin-untimed", 6 * GiB, 6 * GiB, False),
     # serving: two engines ran on an H100 (the notes name two for an H100, not the default three)
     ("baseline,kvplugin", 16 * GiB, 8 * GiB, True),
     ("baseline,kvplugin,kvplugin-server", 16 * GiB, 8 * GiB, False),
