@@ -46,8 +46,9 @@ GC_IN_FETCH_MIN_BYTES = 256 << 20
 #: a lone fetch verified on the device rehearses its load's host path over no object, every
 #: :data:`REHEARSE_EVERY_S` from when all but the last piece of its copy are in until its verdict
 #: (``WorkerSide._rehearse_load``): the path's code and data go cold while the thread polls
-#: through the copy, and the claimed load then runs several times slower than warm.  Off until
-#: measured on a GPU (bench mode ``kvplugin-rehearse``).
+#: through the copy, and the claimed load then runs several times slower than warm.  Off: on an
+#: H100 (2026-12-07, ``results/gpu-ttft-h100-rehearse-5rounds.json``) it shortened that hook at
+#: 8k-16k but moved the first token by less than the rounds' spread (bench mode ``kvplugin-rehearse``).
 REHEARSE_LOADS = False
 REHEARSE_EVERY_S = 0.0005
 
