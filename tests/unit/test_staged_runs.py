@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from vllm_kvplugin.transfer.cuda_pieces import staged_runs
+from vllm_kvplugin.transfer.cuda_pieces import prefetch_pieces, staged_runs
 
 
 def _reference(rows, pieces):
@@ -57,3 +57,19 @@ def test_random_rows_match_the_reference(seed):
         got = staged_runs(rows, p)
         assert got == _reference(rows, p)
         assert [r for i, j, _ in got for r in rows[i:j]] == rows  # every row once, in order
+
+
+def test_a_prefetch_is_cut_into_pieces_that_end_with_its_last_object_alone():
+    """``prefetch_pieces``: [0, n) covered in order by at most ``pieces`` copies, the last object
+    a piece of its own (its digests are the only ones left after the copy's last byte), the
+    others in equal pieces; written out by hand for the sizes a hit takes."""
+    assert prefetch_pieces(0, 8) == [] and prefetch_pieces(1, 8) == [(0, 1)]
+    assert prefetch_pieces(2, 8) == [(0, 1), (1, 2)]
+    assert prefetch_pieces(10, 8) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 9), (9, 10)]
+    assert prefetch_pieces(28, 8) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24), (24, 27), (27, 28)]
+    assert prefetch_pieces(5, 1) == [(0, 5)]
+    for n in range(2, 300):
+        for pieces in (2, 3, 8):
+            got = prefetch_pieces(n, pieces)
+            assert got[0][0] == 0 and got[-1] == (n - 1, n) and len(got) <= pieces, (n, pieces, got)
+            assert all(a < b for a, b in got) and all(b == a2 for (_, b), (a2, _) in zip(got, got[1:]))

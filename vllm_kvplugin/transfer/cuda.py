@@ -80,7 +80,12 @@ from vllm_kvplugin import ops
 from vllm_kvplugin.chunk.format import SEGMENT_BYTES, segment_count
 from vllm_kvplugin.layout.descriptor import KVLayout
 from vllm_kvplugin.transfer.cuda_handles import DeviceDigests, Prefetch, Staging
-from vllm_kvplugin.transfer.cuda_pieces import host_runs, launch_groups, staged_runs
+from vllm_kvplugin.transfer.cuda_pieces import (
+    host_runs,
+    launch_groups,
+    prefetch_pieces,
+    staged_runs,
+)
 from vllm_kvplugin.transfer.cuda_stores import StorePath
 from vllm_kvplugin.transfer.paced import PacedCopies
 from vllm_kvplugin.transfer.placement import PlacedObjects
@@ -94,7 +99,8 @@ STORE_ZERO_COPY_MAX_BYTES = 4 << 20
 LOAD_ZERO_COPY_MAX_BYTES = 32 << 20
 #: grid cap of the zero-copy kernel: it runs at link speed, it need not hold every SM
 ZERO_COPY_MAX_CTAS = 64
-#: a prefetch is copied in this many equal pieces (a scatter waits only for its rows' piece)
+#: a prefetch is copied in at most this many pieces, its last object alone (``prefetch_pieces``;
+#: a scatter waits only for its rows' piece)
 PREFETCH_PIECES = 8
 #: a store's DMAs go in pieces of whole chunks of about this many bytes (at least one chunk)
 DMA_PIECE_BYTES = 32 << 20
@@ -447,11 +453,9 @@ class CudaTransfer(StorePath):
                 self._h2d.wait_event(staging.busy)
             T = bufs[0].shape[3]
             stage = staging.tensor[:nbytes].view(layout.dtype).view(len(bufs), *layout.chunk_shape(T))
-            step = -(-len(bufs) // PREFETCH_PIECES)
             pieces = []
             with torch.cuda.stream(self._h2d):
-                for a in range(0, len(bufs), step):
-                    b = min(len(bufs), a + step)
+                for a, b in prefetch_pieces(len(bufs), PREFETCH_PIECES):
                     self._from_host(bufs[a:b], stage[a:b])
                     pieces.append((a, b, self._event(self._h2d)))
             done = pieces[-1][2]

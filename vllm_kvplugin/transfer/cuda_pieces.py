@@ -1,5 +1,5 @@
 """How a transfer of ``C`` chunk objects is cut into launches and copies (pure functions, no
-device): the pipelining groups, the runs of rows a staged load scatters per piece of its prefetch,
+device): the pipelining groups, a prefetch's pieces, the runs of rows a staged load scatters per piece of it,
 and the runs of adjacent host buffers one DMA can move.  Used by ``transfer/cuda.py`` and
 ``transfer/cuda_stores.py``."""
 
@@ -21,6 +21,17 @@ def launch_groups(n: int, max_groups: int = MAX_GROUPS) -> list[tuple[int, int]]
         bounds.append(min(n, bounds[-1] + (1 if k == 0 else 1 << (k - 1))))
     bounds[-1] = n
     return list(zip(bounds, bounds[1:]))
+
+
+def prefetch_pieces(n: int, pieces: int) -> list[tuple[int, int]]:
+    """A prefetch of ``n`` objects as at most ``pieces`` copies ``[a, b)``: the last object alone,
+    the others in equal pieces before it.  Each piece's digests start when its copy lands, so
+    only the last piece's run after the copy's last byte, on the hit's critical path: one
+    object's (~0.03 ms at 8k on an H100) rather than an eighth of the hit's (0.12-0.22 ms at 8k-32k)."""
+    if n <= 1 or pieces <= 1:
+        return [(0, n)] if n else []
+    step = -(-(n - 1) // (pieces - 1))
+    return [(a, min(n - 1, a + step)) for a in range(0, n - 1, step)] + [(n - 1, n)]
 
 
 def staged_runs(rows: Sequence[int], pieces: Sequence[tuple[int, int]] | None) -> list[tuple[int, int, int | None]]:
