@@ -105,6 +105,10 @@ class PendingChecksums(Protocol):
     def result(self) -> list[int]:
         """The checksums (waits for them)."""
 
+    def advance(self) -> None:
+        """Whatever of :meth:`result`'s own work can be done now, without waiting (called while
+        the caller polls; :meth:`result` then has less left to do)."""
+
 
 def _after_all(n: int, callback: Callable[[], None]) -> Callable[..., None]:
     """A function that calls ``callback()`` on its ``n``-th call (whatever it is given)."""
@@ -138,6 +142,10 @@ class JoinedChecksums:
 
     def result(self) -> list[int]:
         return [c for p in self._parts for c in p.result()]
+
+    def advance(self) -> None:
+        for p in self._parts:
+            p.advance()
 
 
 def join_checksums(parts: Sequence[PendingChecksums]) -> PendingChecksums:
@@ -179,6 +187,9 @@ class StartedChecksums:
     def result(self) -> list[int]:
         """The checksums, in the payloads' order (waits for the hashing threads)."""
         return [f.result() if f is not None else checksum(p) for p, f in zip(self._payloads, self._futures)]
+
+    def advance(self) -> None:
+        """Nothing: the hashing threads do the work."""
 
 
 def start_payload_checksums(payloads: Sequence[memoryview]) -> StartedChecksums:

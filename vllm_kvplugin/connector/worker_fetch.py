@@ -141,6 +141,7 @@ class FetchPath:
                 if rehearse and time.monotonic() - rehearsed >= REHEARSE_EVERY_S and self._copy_nearly_in(req.req_id):
                     self._rehearse_load()
                     rehearsed = time.monotonic()
+                v.sums.advance()  # the landed pieces' digests combined now: the verdict has the last ones' left
                 time.sleep(0)  # polled: seen as soon as the device is done, not after a waiter thread's wake-up
             else:
                 self._progress.wait(left)  # (host hashes: their threads need the cores)

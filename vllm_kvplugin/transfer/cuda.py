@@ -370,15 +370,17 @@ class CudaTransfer(StorePath):
     def _digest(self, rows: torch.Tensor, after: Sequence[tuple[int, int, torch.cuda.Event]]) -> DeviceDigests:
         """The payload digests of ``rows`` (uint8 ``[R, N]`` on this device), on the digest
         stream: rows ``[a, b)`` after event ``ev`` for each ``(a, b, ev)`` of ``after`` (which
-        covers them in order); their segments' values then copied to the host."""
+        covers them in order); each part's segments' values then copied to the host, an event
+        after each (the result's marks)."""
         segments = torch.empty((rows.shape[0], segment_count(rows.shape[1])), dtype=torch.int64, pin_memory=True)
+        marks = []
         with torch.cuda.stream(self._dig):
             for a, b, ev in after:
                 self._dig.wait_event(ev)
                 part = torch.ops.kvplugin.segment_digests(rows[a:b], SEGMENT_BYTES)
                 segments[a:b].copy_(part, non_blocking=True)
-            done = self._event(self._dig)
-        return DeviceDigests(segments, done, self.device)
+                marks.append((a, b, self._event(self._dig)))
+        return DeviceDigests(segments, marks, self.device)
 
 
     # ----------------------------------------------------------------- warm-up

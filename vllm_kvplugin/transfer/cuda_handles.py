@@ -63,14 +63,24 @@ def _wait_thread() -> ThreadPoolExecutor:
 class DeviceDigests:
     """Payload digests of rows of device bytes, computed there (a
     :class:`~vllm_kvplugin.chunk.checksums.PendingChecksums`): ``segments`` is a page-locked
-    ``[rows, segments]`` int64 tensor that holds the segments' xxh3 once ``event`` completed."""
+    ``[rows, segments]`` int64 tensor whose rows ``[a, b)`` hold their segments' xxh3 once
+    ``event`` of ``(a, b, event)`` in ``marks`` completed (in row order; the last one's is
+    :attr:`event`, all of them).  A row's digest is the xxh3 of its segments' values, combined
+    on the host once, by :meth:`advance` as soon as its mark is in (a fetch's thread calls it
+    while it polls for the copy's end, so the rows of earlier pieces are combined while the
+    last ones land) or else by :meth:`result`."""
 
-    __slots__ = ("segments", "event", "device")
+    __slots__ = ("segments", "marks", "event", "device", "_values")
 
-    def __init__(self, segments: torch.Tensor, event: torch.cuda.Event, device: torch.device):
+    def __init__(self, segments: torch.Tensor, marks: list[tuple[int, int, torch.cuda.Event]], device: torch.device):
+        if not marks or marks[0][0] != 0 or marks[-1][1] != segments.shape[0] or any(
+                b != a2 for (_, b, _), (a2, _, _) in zip(marks, marks[1:])):
+            raise ValueError(f"marks {[(a, b) for a, b, _ in marks]} do not cover rows [0, {segments.shape[0]}) in order")
         self.segments = segments
-        self.event = event
+        self.marks = marks
+        self.event = marks[-1][2]
         self.device = device
+        self._values: list[int] = []  # the leading rows' digests combined so far
 
     def done(self) -> bool:
         return self.event.query()
@@ -86,10 +96,24 @@ class DeviceDigests:
             callback()
         _wait_thread().submit(wait)
 
+    def advance(self) -> None:
+        """Combine the digests of the rows whose marks are in (never waits)."""
+        for _, b, ev in self.marks:
+            if b <= len(self._values):
+                continue
+            if not ev.query():
+                return
+            self._combine(b)
+
+    def _combine(self, end: int) -> None:
+        rows = self.segments[len(self._values):end].numpy().view("<u8")  # the segments' xxh3, little-endian u64
+        self._values += [xxhash.xxh3_64_intdigest(row) for row in rows]  # = combine_segments(row)
+
     def result(self) -> list[int]:
-        self.event.synchronize()
-        rows = self.segments.numpy().view("<u8")  # the segments' xxh3 as little-endian u64
-        return [xxhash.xxh3_64_intdigest(row) for row in rows]  # = combine_segments(row)
+        if len(self._values) < self.segments.shape[0]:
+            self.event.synchronize()  # (each mark's event is before the last on one stream)
+            self._combine(self.segments.shape[0])
+        return list(self._values)
 
 
 class StoreTicket:
