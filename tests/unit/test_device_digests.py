@@ -70,3 +70,29 @@ def test_marks_must_cover_the_rows_in_order(marks):
     with pytest.raises(ValueError, match="do not cover rows"):
         DeviceDigests(torch.zeros((4, 1), dtype=torch.int64), [(a, b, HandEvent()) for a, b in marks],
                       torch.device("cpu"))
+
+
+class BrokenEvent(HandEvent):
+    """A device that cannot be asked any more (a CUDA error)."""
+
+    def query(self) -> bool:
+        raise RuntimeError("injected: CUDA error: an illegal memory access was encountered")
+
+    def synchronize(self) -> None:
+        self.query()
+
+
+def test_a_device_error_surfaces_in_result_alone():
+    """Polling (``done``, ``advance``, ``when_done``) never raises: a caller that polls outside
+    the verdict's error handling (a lone fetch's wait, on vLLM's scheduler thread) moves on to
+    ``result``, which raises the error where the verdict handles it (nothing verified)."""
+    good, broken = HandEvent(), BrokenEvent()
+    good.in_ = True
+    d = DeviceDigests(_segments(3, 2, seed=3), [(0, 1, good), (1, 3, broken)], torch.device("cpu"))
+    d.advance()
+    assert d.done()
+    called = []
+    d.when_done(lambda: called.append(1))
+    assert called == [1]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        d.result()

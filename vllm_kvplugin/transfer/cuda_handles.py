@@ -83,7 +83,13 @@ class DeviceDigests:
         self._values: list[int] = []  # the leading rows' digests combined so far
 
     def done(self) -> bool:
-        return self.event.query()
+        """Whether :meth:`result` would not wait; also True when the device cannot be asked
+        (its error is then :meth:`result`'s, raised where the verdict handles it: nothing from
+        these digests is verified)."""
+        try:
+            return self.event.query()
+        except Exception:
+            return True
 
     def when_done(self, callback: Callable[[], None]) -> None:
         if self.done():
@@ -91,19 +97,26 @@ class DeviceDigests:
             return
 
         def wait() -> None:
-            with torch.cuda.device(self.device):
-                self.event.synchronize()  # releases the GIL
+            try:
+                with torch.cuda.device(self.device):
+                    self.event.synchronize()  # releases the GIL
+            except Exception:  # (result() raises it)
+                pass
             callback()
         _wait_thread().submit(wait)
 
     def advance(self) -> None:
-        """Combine the digests of the rows whose marks are in (never waits)."""
-        for _, b, ev in self.marks:
-            if b <= len(self._values):
-                continue
-            if not ev.query():
-                return
-            self._combine(b)
+        """Combine the digests of the rows whose marks are in.  Never waits, never raises (a
+        device error is :meth:`result`'s)."""
+        try:
+            for _, b, ev in self.marks:
+                if b <= len(self._values):
+                    continue
+                if not ev.query():
+                    return
+                self._combine(b)
+        except Exception:
+            return
 
     def _combine(self, end: int) -> None:
         rows = self.segments[len(self._values):end].numpy().view("<u8")  # the segments' xxh3, little-endian u64
