@@ -53,8 +53,10 @@ modes ran seconds apart; the bars' ratios are taken per round and their median r
 (``*_each_round``: every round's).  The floor of a warm hit is the same engine's GPU
 prefix-cache hit of the same prompt, measured right after each warm run (the bars take the
 median of the pairs' differences); the link time of a hit is its bytes copied from pinned host
-memory to the GPU in the same run, after the rounds (``link_seconds``, the fastest of 9; every
-row reports it as ``link_s`` and ``link_GBps``).  One engine's times
+memory to the GPU in the same run, by the plugin's engine while every engine is idle, before the
+rounds and after them (``link_seconds``, the fastest of 9 each time, then the faster of the two:
+one run's copies after the rounds read 52.3 GB/s where its hits' own copies had crossed at 53-54;
+every row reports it as ``link_s`` and ``link_GBps``, and both samples as ``link_samples_s``).  One engine's times
 moved by 10-30% between runs of the sequential method (``--sequential``: each mode's engine in
 turn, e.g. for more modes than fit beside each other).  With ``--pin-main`` each engine's main
 thread has a physical core of its own (``host_cpus.py``).  Results: JSON with the machine and
@@ -90,6 +92,8 @@ from ttft_common import (  # noqa: E402
     summarize,
     tokens,
 )
+
+from vllm_kvplugin.planner import max_loadable_tokens  # noqa: E402
 
 SPEC = dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128)
 KV_PER_TOKEN = SPEC["layers"] * 2 * SPEC["kv_heads"] * SPEC["head_dim"] * 2  # bytes (bf16)
@@ -323,10 +327,10 @@ def _median_row(rows: list[dict]) -> dict:
 
 
 def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
-                     out: Path) -> tuple[list[dict], dict, dict[int, float]]:
+                     out: Path) -> tuple[list[dict], dict, dict[int, float], dict[int, list[float]]]:
     """Every mode's engine alive at once; per round and length, each asked in turn (rotated).
-    Returns the modes' results, errors, and per length the link time of its hit measured after
-    the rounds (:func:`link_seconds`)."""
+    Returns the modes' results, errors, and per length the link time of its hit (the faster of
+    :func:`link_seconds` before the rounds and after them) and those samples."""
     gpu_fit.check(modes, model, args.kv_bytes or _kv_bytes_for(max(lengths) + 64), args.gpu_staging_bytes,
                   "Name fewer --modes or shrink --kv-bytes / --gpu-staging-bytes (an H100 fits --modes "
                   "vllm-apc,kvplugin,vllm-offloading --kv-bytes 6442450944 --gpu-staging-bytes 6442450944 "
@@ -354,6 +358,9 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
     with running(__file__, modes, args_for, out.parent / "ttft-logs", proc) as engines:
         print(f"{len(modes)} engines ready in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         firsts = {m: e.ask("first") for m, e in engines.items()}  # one engine at a time, the others idle
+        meter = engines.get("kvplugin") or next(iter(engines.values()))  # engines idle: the link alone
+        planned = {n: max_loadable_tokens(n, args.chunk) for n in lengths}  # the bytes a hit should move
+        before = {n: meter.ask(f"link {planned[n]}")["link_s"] for n in lengths}
         for rnd in range(args.rounds):
             for i, n in enumerate(lengths):
                 k = (rnd + i) % len(modes)
@@ -364,10 +371,11 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
                                                for m in modes), file=sys.stderr, flush=True)
             Path(str(out) + ".partial").write_text(json.dumps({"partial": True, "rounds": per}))
         stats = {m: e.ask("stats")["kvplugin_stats"] for m, e in engines.items()}
-        meter = engines.get("kvplugin") or next(iter(engines.values()))  # engines idle: the link alone
         hits = {n: max(r["warm_cached_tokens"] for r in per[meter.mode] if r["prompt_tokens"] == n) or n
-                for n in lengths}  # the bytes a hit moves
-        links = {n: meter.ask(f"link {hits[n]}")["link_s"] for n in lengths}
+                for n in lengths}  # the bytes a hit moved
+        samples = {n: ([before[n]] if hits[n] == planned[n] else []) + [meter.ask(f"link {hits[n]}")["link_s"]]
+                   for n in lengths}
+        links = {n: min(s) for n, s in samples.items()}
         for m, e in engines.items():  # after the rounds: one profiled cold and warm request per mode
             for n in args.profile:
                 profiles.setdefault(m, []).append(e.ask(f"profile {n} {n + 99 * 10**6}"))
@@ -377,7 +385,7 @@ def run_side_by_side(args, modes: list[str], lengths: list[int], model: str,
         rows[0].update(firsts[m])
         results.append({"mode": m, "rows": rows, "rounds": per[m], "kvplugin_stats": stats[m],
                         **({"profiles": profiles[m]} if m in profiles else {})})
-    return results, {}, links
+    return results, {}, links, samples
 
 
 def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, float]) -> dict[int, dict]:
@@ -496,7 +504,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if side:
         args.model = model
-        results, errors, links = run_side_by_side(args, modes, lengths, model, out)
+        results, errors, links, link_samples = run_side_by_side(args, modes, lengths, model, out)
     else:
         def child_args(mode: str) -> list[str]:
             a = ["--model", model, "--lengths", args.lengths, "--block", str(args.block), "--chunk", str(args.chunk),
@@ -510,7 +518,7 @@ def main() -> int:
 
         results, errors = run_modes_with_server(__file__, modes, child_args, keep_going=True,
                                                 l1_bytes=args.host_bytes, partial=str(out) + ".partial")
-        links = {}
+        links, link_samples = {}, {}
     summary = summarize(results, lengths,
                         {"vllm_offloading_warm_over_kvplugin_warm": ("vllm-offloading", "kvplugin"),
                          "server_vs_inprocess_warm_ratio": ("kvplugin-server", "kvplugin")})
@@ -527,6 +535,8 @@ def main() -> int:
         link_s = links.get(row["prompt_tokens"])
         if link_s:  # measured in this run (side by side), else the ceiling on record
             row["link_s"], row["link_measured"] = round(link_s, 4), side
+            if row["prompt_tokens"] in link_samples:
+                row["link_samples_s"] = link_samples[row["prompt_tokens"]]
             if "kvplugin_warm_cached_tokens" in row:
                 row["link_GBps"] = round(row["kvplugin_warm_cached_tokens"] * bpt / link_s / 1e9, 1)
         if "kvplugin_warm_s" in row and "vllm-apc_warm_s" in row:
