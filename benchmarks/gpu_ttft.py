@@ -30,6 +30,10 @@ prompts in the same order:
   kernel for every layout, as before ``cuda.BLOCK_RUNS`` (not in the default set);
 * ``kvplugin-rehearse`` - ``kvplugin`` whose lone fetches rehearse their load's host path as
   their copy ends (``worker_fetch.REHEARSE_LOADS``; not in the default set);
+* ``kvplugin-linkwake`` - ``kvplugin`` plus an experiment of this benchmark's, not the plugin's:
+  a 1 MiB copy over the link when the scheduler half first sees a request, ~0.3 ms before a lone
+  fetch's first bytes (does an idle link start a copy slowly? ``gpu_link_wake.py``; not in the
+  default set);
 * any mode with ``-untimed`` (e.g. ``kvplugin-untimed``): that mode's engine without the stage
   timers (no stages in its rows; what the timers on vLLM's thread add to its times);
 * ``kvplugin-server`` - KVPluginConnector through a `vllm-kvplugin server` process;
@@ -187,9 +191,37 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-server-nowake":  # a lone request's lookup not announced to the server
         from vllm_kvplugin.connector import scheduler_lone
         scheduler_lone.WAKE_SERVER = False
+    if mode == "kvplugin-linkwake":
+        _wake_link_at_lookup()
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read
         from vllm_kvplugin.connector import metadata
         metadata.FIRST_PART_CHUNKS = 0
+
+
+def _wake_link_at_lookup(nbytes: int = 1 << 20) -> None:
+    """``kvplugin-linkwake``: when the scheduler half first sees a request (``_tracker``, before
+    its keys), ``nbytes`` copied from page-locked memory to the device on the worker's copy stream,
+    returning at once.  In a TTFT run's timeline a lone hit's first part (151 MB at 8k) crossed at
+    49-52 GB/s and the rest at 54-55; if a link idle before a copy starts it slowly, this shows it
+    in the first token's time.  An experiment of this benchmark's only."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_kvplugin.connector.scheduler import SchedulerSide
+
+    orig, bufs = SchedulerSide._tracker, []
+
+    def tracker(self, request):
+        if request.request_id not in self._reqs:
+            engine = get_kv_transfer_group()._worker.engine
+            if not bufs:  # (the warm-up requests pay for these)
+                bufs[:] = [torch.ones(nbytes, dtype=torch.uint8, pin_memory=True),
+                           torch.empty(nbytes, dtype=torch.uint8, device=engine.device)]
+            with torch.cuda.stream(engine._h2d):
+                bufs[1].copy_(bufs[0], non_blocking=True)
+        return orig(self, request)
+
+    SchedulerSide._tracker = tracker
 
 
 def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_side: bool):
