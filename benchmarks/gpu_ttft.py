@@ -60,7 +60,9 @@ median of the pairs' differences); the link time of a hit is its bytes copied fr
 memory to the GPU in the same run, by the plugin's engine while every engine is idle, before the
 rounds and after them (``link_seconds``, the fastest of 9 each time, then the faster of the two:
 one run's copies after the rounds read 52.3 GB/s where its hits' own copies had crossed at 53-54;
-every row reports it as ``link_s`` and ``link_GBps``, and both samples as ``link_samples_s``).  One engine's times
+every row reports it as ``link_s`` and ``link_GBps``, and both samples as ``link_samples_s``).
+The own hit passes the plugin's lookup of the prompt (its keys, 0.5-1.8 ms at 8k-32k on an H100);
+``*_warm_minus_own_apc_less_lookup_over_link`` takes that out of the floor.  One engine's times
 moved by 10-30% between runs of the sequential method (``--sequential``: each mode's engine in
 turn, e.g. for more modes than fit beside each other).  With ``--pin-main`` each engine's main
 thread has a physical core of its own (``host_cpus.py``).  Results: JSON with the machine and
@@ -442,6 +444,12 @@ def per_round_ratios(results: list[dict], lengths: list[int], link_s: dict[int, 
             if rows and "warm_minus_own_s" in rows[0]:  # the median of (warm - own hit right after it)
                 above[mode] = col(mode, "warm_minus_own_s")
                 pairs[f"{mode.replace('-', '_')}_warm_minus_own_apc_over_link"] = (above[mode], None, link_s[n])
+                # the same against a floor without the plugin's own lookup of the prompt, which the
+                # own hit passes (its keys, for the step's store decisions): the median pair's ``match``
+                lookups = [(r.get("own_apc_stages") or {}).get("match") for r in rows if r["prompt_tokens"] == n]
+                if all(lookups):
+                    pairs[f"{mode.replace('-', '_')}_warm_minus_own_apc_less_lookup_over_link"] = (
+                        [x + s["s"] for x, s in zip(above[mode], lookups)], None, link_s[n])
         for name, (a, b, link) in pairs.items():
             if not a or (b is None and not link) or (b is not None and not b):
                 continue
