@@ -26,8 +26,8 @@ from test_server_tier import server, workdir  # noqa: F401  (fixtures)
 from vllm_kvplugin import adapters, tiny_model
 from vllm_kvplugin.planner import max_loadable_tokens
 
-#: CI runs the fault tests (they check every rank's loads and outputs too) and, where vLLM's own
-#: pipeline parallelism runs, PP=2's local tier; the rest is slow
+#: CI runs the fault tests (they check every rank's loads and outputs too) and PP=2's local tier
+#: (the PP ones where vLLM's own pipeline parallelism runs); the rest is slow
 pytestmark = [pytest.mark.engine]
 
 CHUNK, BLOCK = 64, 32
