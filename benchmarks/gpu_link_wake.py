@@ -14,7 +14,11 @@ pinned host to device, one DMA per object, an event after each) in these cases, 
   DMAs are issued, as the plugin's prefetch is (the host's issue in it);
 * ``wake_<bytes>_<lead>``: ``idle``, with a small copy of ``bytes`` issued ``lead`` ms before the
   gate's end (its own stream);
-* ``hot``: right behind another copy of the same bytes on the stream (the link busy).
+* ``hot``: right behind another copy of the same bytes on the stream (the link busy);
+* ``idle_issued_read`` / ``hot_read``: those two with the device reading each piece of
+  ``--first`` objects where it landed, on a stream of its own after the piece's copy, as a
+  prefetch's payload digests do (the plugin's ``kvplugin::segment_digests`` where its CUDA build is
+  importable, else a sum): do the reads slow the link's writes?
 
 Per case: the first object's rate, the first part's (``--first`` objects), the rest's and the
 whole copy's, in GB/s (1e9 B/s).
@@ -36,6 +40,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import results_json  # noqa: E402
 
@@ -49,6 +54,17 @@ def _spin_ms(ms: float, stream: torch.cuda.Stream) -> None:
 
 
 _CLOCK_HZ = 1.98e9
+_DIGESTS = None  # the plugin's device digests, where its CUDA build loads (``main``)
+
+
+def _digest_op():
+    try:
+        from vllm_kvplugin import ops
+        if ops.load().cuda == "CUDA kernel":
+            return torch.ops.kvplugin.segment_digests
+    except Exception:  # no build here: a sum stands in for the digests
+        pass
+    return None
 
 
 def _calibrate() -> float:
@@ -74,7 +90,16 @@ class Copy:
         self.dev = torch.empty_like(self.host, device="cuda")
         self.wake_host = torch.ones(max(wake_max, 1), dtype=torch.uint8, pin_memory=True)
         self.wake_dev = torch.empty_like(self.wake_host, device="cuda")
-        self.stream, self.wake_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.stream, self.wake_stream, self.read_stream = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        self.read_every = 0  # objects per read (0: none), set by ``run``
+
+    def _read(self, a: int, b: int) -> None:
+        """Read bytes ``[a, b)`` of the device buffer (on the read stream)."""
+        rows = self.dev[a:b].view(-1, OBJECT_BYTES)
+        if _DIGESTS is not None:
+            _DIGESTS(rows, 256 << 10)
+        else:
+            rows.view(torch.int32).sum(dtype=torch.int64)
 
     def _issue(self) -> list[torch.cuda.Event]:
         evs = []
@@ -84,11 +109,17 @@ class Copy:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.stream)
             evs.append(ev)
+            k = self.read_every
+            if k and ((i + 1) % k == 0 or i + 1 == self.n):
+                self.read_stream.wait_event(ev)
+                with torch.cuda.stream(self.read_stream):
+                    self._read((i - i % k) * OBJECT_BYTES, a + OBJECT_BYTES)
         return evs
 
     def run(self, idle_ms: float, gate_ms: float | None, wake_bytes: int = 0, lead_ms: float = 0.0,
-            hot: bool = False) -> list[float]:
+            hot: bool = False, read_every: int = 0) -> list[float]:
         """Milliseconds from the start event to each object's end."""
+        self.read_every = read_every
         torch.cuda.synchronize()
         time.sleep(idle_ms / 1e3)
         with torch.cuda.stream(self.stream):
@@ -117,7 +148,7 @@ def rates(ends_ms: list[float], first: int) -> dict:
 
 
 def main() -> int:
-    global _CLOCK_HZ
+    global _CLOCK_HZ, _DIGESTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--objects", type=int, default=32)
     ap.add_argument("--first", type=int, default=4)
@@ -127,9 +158,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     _CLOCK_HZ = _calibrate()
+    _DIGESTS = _digest_op()
     c = Copy(args.objects, 8 << 20)
     cases = {"hot": dict(gate_ms=None, hot=True), "idle": dict(gate_ms=args.gate_ms),
-             "idle_issued": dict(gate_ms=None)}
+             "idle_issued": dict(gate_ms=None), "idle_issued_read": dict(gate_ms=None, read_every=args.first),
+             "hot_read": dict(gate_ms=None, hot=True, read_every=args.first)}
     for nbytes in (4096, 1 << 20, 8 << 20):
         for lead in (0.2, 0.5, 1.0):
             cases[f"wake_{nbytes}_{lead}"] = dict(gate_ms=args.gate_ms, wake_bytes=nbytes, lead_ms=lead)
@@ -151,7 +184,8 @@ def main() -> int:
                         "code": os.environ.get("KVPLUGIN_CODE", "")},
            "objects": args.objects, "object_bytes": OBJECT_BYTES, "first": args.first,
            "idle_ms": args.idle_ms, "gate_ms": args.gate_ms, "reps": args.reps,
-           "spin_clock_GHz": round(_CLOCK_HZ / 1e9, 3), "cases": rows}
+           "spin_clock_GHz": round(_CLOCK_HZ / 1e9, 3),
+           "reads": "kvplugin::segment_digests" if _DIGESTS is not None else "torch sum", "cases": rows}
     for name, r in rows.items():
         print(f"{name:>22}: first object {r['first_object_GBps']:6.2f}  first part {r['first_part_GBps']:6.2f}  "
               f"rest {r['rest_GBps']:6.2f}  whole {r['whole_GBps']:6.2f} GB/s ({r['whole_ms']} ms)")

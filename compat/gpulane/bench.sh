@@ -8,6 +8,7 @@
 #   bash compat/gpulane/bench.sh profile  the connector's hooks on vLLM's thread in warm hits (load-profile.json)
 #   bash compat/gpulane/bench.sh digest  a hit's verification on the device vs the host's (gpu-digest.json)
 #   bash compat/gpulane/bench.sh loadhost  a hit's load after its allocation: host pieces, the scatter kernel (gpu-load-host.json)
+#   bash compat/gpulane/bench.sh linkwake  a hit's copy after an idle link, woken, hot, read by digests (gpu-link-wake.json)
 # Arguments after the first go to the benchmark (e.g. ttft --modes vllm-apc,kvplugin,kvplugin-hash8).
 set -uo pipefail
 what="${1:-xfer}"
@@ -20,7 +21,8 @@ case "$what" in
     hash) python3 benchmarks/host_hash.py --out "$O/host-hash.json" "$@" 2>&1 | tee "$O/hash.log" | tail -20 ;;
     profile) python3 benchmarks/load_profile.py --out "$O/load-profile.json" "$@" 2>&1 | tee "$O/profile.log" | tail -40 ;;
     digest) python3 benchmarks/gpu_digest.py --out "$O/gpu-digest.json" "$@" 2>&1 | tee "$O/digest.log" | tail -20 ;;
+    linkwake) python3 benchmarks/gpu_link_wake.py --out "$O/gpu-link-wake.json" "$@" 2>&1 | tee "$O/linkwake.log" | tail -20 ;;
     loadhost) python3 benchmarks/gpu_load_host.py --out "$O/gpu-load-host.json" "$@" 2>&1 | tee "$O/loadhost.log" | tail -20 ;;
-    *) echo "usage: bench.sh xfer|ttft|serving|hash|profile|digest|loadhost"; exit 2 ;;
+    *) echo "usage: bench.sh xfer|ttft|serving|hash|profile|digest|loadhost|linkwake"; exit 2 ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"
