@@ -14,7 +14,9 @@ and worker in one process never reports a counter twice:
   those, hits whose first chunks were read and sent before the rest were keyed),
   ``lone_server_lookups`` (lookups of such requests answered by the cache server on vLLM's
   thread instead of the index's), ``server_wakes`` (such lookups announced to the server
-  before their keys were computed), and for the cache server
+  before their keys were computed), ``tainted_requests`` (requests a step computed over a
+  failed load's blocks under vLLM's ``recompute`` policy: truncated by vLLM, their chunks of
+  that step not stored), and for the cache server
   the hit accounting against the transfer accounting: ``server_planned_bytes``
   (objects the plans read) vs ``server_served_bytes`` (what the server says
   the workers resolved), with ``server_bytes_mismatches`` counting leases
@@ -43,7 +45,7 @@ SCHEDULER_FIELDS = (
     "lookup_requests", "lookup_tokens", "hit_tokens", "server_hit_tokens", "planned_load_tokens",
     "planned_load_bytes", "evicted_bytes", "store_skipped_chunks", "server_lookup_errors", "fetch_timeouts",
     "dropped_objects", "lone_fetches", "lone_fetch_wait_s", "split_fetches", "lone_server_lookups",
-    "server_wakes", "server_planned_bytes", "server_served_bytes", "server_bytes_mismatches",
+    "server_wakes", "tainted_requests", "server_planned_bytes", "server_served_bytes", "server_bytes_mismatches",
 )
 WORKER_FIELDS = (
     "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",

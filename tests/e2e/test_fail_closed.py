@@ -12,7 +12,9 @@ mock only where the local tier cannot produce the fault itself (a short read, a
 failing copy, a wrong plan).  The first four are found while verifying, before
 the hit is claimed, and recomputed; the last two after it (the copy itself
 fails): vLLM ends that request with an error (its "fail" policy, the plugin's
-default) and serves the blocks the load never wrote to no other request.
+default) or, under "recompute", recomputes it while the connector reports the
+blocks the load never wrote until they are recomputed; either way no other
+request is served them.
 """
 
 from __future__ import annotations
@@ -173,21 +175,33 @@ def test_every_doubtful_load_is_recomputed(qwen3_model, prompts, baseline, monke
             shutdown(llm)
 
 
-def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model, policy):
     """A copy fails after the hit was claimed (mocked: the copy cannot be made to fail for
     real), with vLLM's prefix cache on, every block poisoned before, and a scheduler that lets
     a second request in while the first has not yet recomputed its prompt (at most one chunk
-    of a long prefill per step).  The second request shares the prefix.  With vLLM's
-    "recompute" policy (the plugin's default before 2026-12-02) vLLM kept the blocks the
-    load never wrote in its prefix cache and served them to the second request: wrong output
-    on vLLM 0.32.  With the default "fail" the first request ends with an error, the second
-    is right, and so are both prompts afterwards on poisoned KV."""
+    of a long prefill per step).  The second request shares the prefix.  vLLM's own
+    "recompute" keeps the blocks the load never wrote in its prefix cache and served them to
+    the second request (wrong output on vLLM 0.32, before ``connector/bad_blocks.py``).
+    - "fail" (the default): the first request ends with an error, the second is right.
+    - "recompute": the connector reports those blocks, and the ones the second request
+      computed over them, in every step until recomputed: both requests are right, and
+      the second's chunks of the step that read them are not stored.
+    Either way both prompts are right afterwards on poisoned KV (nothing computed over the
+    failed load was stored)."""
+    failed_claimed_load_scenario(qwen3_model, policy, CHUNK, 32)
+
+
+def failed_claimed_load_scenario(model: str, policy: str, chunk: int, block: int, **engine_kw) -> None:
+    """The scenario of ``test_a_failed_claimed_load_is_served_to_no_other_request`` with
+    chunks and blocks of these sizes (the GPU lane runs it with vLLM's asynchronous scheduling)."""
     from vllm import SamplingParams
 
-    p = prompt(LEN, seed=300)
-    first, second = p + prompt(2 * CHUNK + 5, seed=301), p + prompt(2 * CHUNK + 7, seed=302)
+    p = prompt(8 * chunk + 10, seed=300)
+    first, second = p + prompt(2 * chunk + 5, seed=301), p + prompt(2 * chunk + 7, seed=302)
+    sched = dict(budget=4 * chunk, long_prefill_token_threshold=chunk, **engine_kw)
     # the reference: the same scheduling (one chunk of a long prefill per step), no connector
-    base = engine(qwen3_model, 32, None, budget=4 * CHUNK, long_prefill_token_threshold=CHUNK)
+    base = engine(model, block, None, **sched)
     try:
         want = [generate(base, [q])[0].token_ids for q in (first, second)]
     finally:
@@ -195,9 +209,11 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     counters.STATS.reset()
     with Probe().installed() as probe:
-        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK}, budget=4 * CHUNK, enable_prefix_caching=True,
-                     long_prefill_token_threshold=CHUNK)
+        llm = engine(model, block, {"chunk_size": chunk, "load_failure_policy": policy},
+                     enable_prefix_caching=True, **sched)
         try:
+            if engine_kw.get("async_scheduling"):
+                assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling, "vLLM turned it off"
             generate(llm, [p])
             llm.reset_prefix_cache()  # the first request's hit comes from the plugin
             probe.poison_all_blocks(seed=5)
@@ -227,8 +243,13 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model):
                         got[o.request_id] = list(o.outputs[0].token_ids)
             assert not eng.has_unfinished_requests()
             assert got.get("second") == want[1], "a request was served blocks a failed load never wrote"
-            assert not got.get("first"), "the request whose claimed load failed was served"
-            assert vllm_kvplugin.stats()["load_failures"] == {"error": 1}
+            stats = vllm_kvplugin.stats()
+            if policy == "fail":
+                assert not got.get("first"), "the request whose claimed load failed was served"
+            else:
+                assert got.get("first") == want[0], "the request whose claimed load failed was not recomputed"
+                assert stats["tainted_requests"] >= 1, "the second request read the bad blocks unnoticed"
+            assert stats["load_failures"] == {"error": 1}
             for i in range(2):  # nothing computed over the failed load was stored or kept
                 for q, want_q in zip((first, second), want):
                     llm.reset_prefix_cache()

@@ -195,6 +195,19 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
             srv.stop()
 
 
+def test_a_failed_claimed_load_is_recomputed_under_asynchronous_scheduling(model):
+    """``test_fail_closed``'s failed claimed load under the ``recompute`` policy, with vLLM's
+    asynchronous scheduling (the CPU platform turns it off): the next step is scheduled before
+    the failing one's output is in, so a request that reads the blocks the load never wrote can
+    be scheduled before the scheduler half learns of the failure.  Both requests must be right,
+    and nothing computed over those blocks stored."""
+    from test_fail_closed import failed_claimed_load_scenario
+
+    failed_claimed_load_scenario(model, "recompute", CHUNK, BLOCK, async_scheduling=True,
+                                 max_model_len=12_000, kv_bytes=1 << 30)
+    print(f"GPU LANE failed claimed load, recompute, async scheduling: stats {vllm_kvplugin.stats()}")
+
+
 def _noted(rows: list[int], pre):
     """A prefetch's rows noted (0: none sent); the prefetch."""
     rows.append(pre.rows if pre is not None else 0)

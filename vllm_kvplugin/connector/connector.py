@@ -37,10 +37,6 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvplugin.connector.scheduler import SchedulerSide
 
-            if self._cfg.load_failure_policy == "recompute":
-                logger.warning("vllm-kvplugin: load_failure_policy 'recompute': should a copy fail after its "
-                               "hit was claimed, vLLM keeps the blocks it never wrote in its prefix cache until "
-                               "the request has recomputed them, and a request sharing the prefix can read them")
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self._cfg)
         else:
             from vllm_kvplugin.connector.worker import WorkerSide

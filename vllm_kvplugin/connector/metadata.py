@@ -144,6 +144,10 @@ class KVPluginMetadata(KVConnectorMetadata):
     #: runs such steps), and a request is held back for this connector: the step may wait, up to
     #: :data:`IDLE_WAIT_S`, for what that request waits on (it holds up nothing else)
     idle: bool = False
+    #: blocks every worker reports to vLLM as invalid in this step's output: a failed load's and
+    #: those computed over them, until recomputed (``connector/bad_blocks.py``; ``recompute``
+    #: policy only)
+    bad_blocks: frozenset[int] = frozenset()
 
 
 Slot = tuple[int, int]  # (group, local tier slot)
@@ -164,12 +168,15 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
     stores_cancelled: dict[str, int] = field(default_factory=dict)
     #: chunk key -> store jobs of it that ended (stored, failed or cancelled), summed over ranks
     store_done: dict[bytes, int] = field(default_factory=dict)
+    #: the blocks of the loads in ``load_failed`` (every rank's)
+    failed_blocks: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPluginWorkerMeta:
         assert isinstance(other, KVPluginWorkerMeta)
         out = KVPluginWorkerMeta(dict(self.stored), dict(self.store_failed), dict(self.fetched),
                                  dict(self.bad_slots), dict(self.loads_done), dict(self.load_failed),
-                                 dict(self.stores_cancelled), dict(self.store_done))
+                                 dict(self.stores_cancelled), dict(self.store_done),
+                                 self.failed_blocks | other.failed_blocks)
         for mine, theirs in ((out.stored, other.stored), (out.store_failed, other.store_failed),
                              (out.loads_done, other.loads_done), (out.store_done, other.store_done)):
             for k, v in theirs.items():
@@ -187,4 +194,4 @@ class KVPluginWorkerMeta(KVConnectorWorkerMetadata):
 
     def is_empty(self) -> bool:
         return not (self.stored or self.store_failed or self.fetched or self.bad_slots or self.loads_done
-                    or self.load_failed or self.stores_cancelled or self.store_done)
+                    or self.load_failed or self.stores_cancelled or self.store_done or self.failed_blocks)

@@ -25,9 +25,12 @@ at once and waits for the verdict (``connector/scheduler_lone.py``), so the hit 
 claimed in the step that looked it up.
 
 So no step ever computes over blocks a failed load did not write.  Should a load
-fail anyway after its claim (a copy error), vLLM recomputes its blocks, the
-workers drop every store of that step, and this side moves ``stored_upto`` back
-and bumps the metadata epoch so that no store computed over those blocks lands.
+fail anyway after its claim (a copy error), the workers report its blocks to vLLM
+and drop every store of that step, and this side moves ``stored_upto`` back and
+bumps the metadata epoch so that no store computed over those blocks lands.  Under
+vLLM's ``recompute`` policy those blocks, and what was computed over them, are
+reported in every step until recomputed (``connector/bad_blocks.py``), and the
+chunks of a request that computed over one are not stored.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from vllm_kvplugin.adapters import _common
 from vllm_kvplugin.chunk.format import HEADER_SIZE
 from vllm_kvplugin.chunk.keys import chunk_keys, model_fingerprint
 from vllm_kvplugin.config import KVPluginConfig
+from vllm_kvplugin.connector.bad_blocks import BadBlocks
 from vllm_kvplugin.connector.metadata import (
     IDLE_WAIT_S,
     FetchJob,
@@ -133,6 +137,16 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         self._started: set[str] = set()  # requests scheduled and not finished (any of them)
         self._holding = False  # this step's scheduling held a request back for this connector
         self._fetches = 0  # fetches issued (their serials)
+        #: blocks reported to vLLM until recomputed: vLLM's ``recompute`` policy keeps a failed
+        #: load's blocks in its prefix cache (one KV cache group: vLLM 0.26-0.29 take no others)
+        self._bad = (BadBlocks(self.groups[0].block_size)
+                     if cfg.load_failure_policy == "recompute" and len(self.groups) == 1 else None)
+        if cfg.load_failure_policy == "recompute" and self._bad is None:
+            logger.warning("vllm-kvplugin: load_failure_policy 'recompute' with %d KV cache groups: should a "
+                           "copy fail after its hit was claimed, vLLM keeps the blocks it never wrote in its "
+                           "prefix cache until the request has recomputed them, and a request sharing the "
+                           "prefix can read them", len(self.groups))
+        self._loaded_now: set[int] = set()  # blocks loaded at allocation since the last metadata
         self._grace_left = LOOKUP_GRACE_S  # of this step's wait for server lookups
         self._verdicts = open_box(_common.engine_id(vllm_config))  # a one-process engine's verdicts
         logger.info("vllm-kvplugin scheduler: chunk %d tokens, %d local slots per group, groups: %s",
@@ -372,6 +386,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         load = LoadRequest(tr.req_id, jobs, plan.expected_bytes, plan.num_tokens)
         if not self._load_here(load):
             self._pending_loads.append(load)
+        elif self._bad is not None:
+            self._loaded_now.update(b for j in jobs for b in j.block_ids)
         served = sum(self.server_object_bytes[j.group] for j in f.jobs) if f.lease else 0
         self._holds[tr.req_id] = (f.pins, f.lease, served)
         if f.lease:
@@ -424,15 +440,33 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             tr.num_computed = cached.num_computed_tokens[i]
         for load in meta.loads:
             self._running_state_blocks(load, so.num_scheduled_tokens.get(load.req_id, 0))
+        tainted = self._report_bad_blocks(meta, so)
         for rid, n_sched in so.num_scheduled_tokens.items():
             tr = self._reqs.get(rid)
-            if tr is None or not tr.block_ids:
-                continue
+            if tr is None or not tr.block_ids or rid in tainted:
+                continue  # (a tainted request is recomputed: its chunks are stored then)
             end = tr.num_computed + n_sched
             jobs = self._store_jobs(tr, min(end, tr.prompt_len) // self.chunk_size) + self._state_jobs(tr, end)
             if jobs:
                 meta.stores.append(StoreRequest(rid, jobs))
         return meta
+
+    def _report_bad_blocks(self, meta: KVPluginMetadata, so: Any) -> frozenset[str]:
+        """This step's report of bad blocks into ``meta`` (``connector/bad_blocks.py``), after the
+        trackers took the step's block ids; returns the requests whose chunks it must not store."""
+        if self._bad is None:
+            return frozenset()
+        loaded, self._loaded_now = self._loaded_now, set()
+        if not self._bad:
+            return frozenset()
+        loaded.update(b for load in meta.loads for j in load.jobs for b in j.block_ids)
+        scheduled = {rid: (tr.block_ids[0], tr.num_computed, n) for rid, n in so.num_scheduled_tokens.items()
+                     if (tr := self._reqs.get(rid)) is not None and tr.block_ids}
+        report = self._bad.step(scheduled, loaded)
+        meta.bad_blocks = report.invalid
+        if report.tainted:
+            counters.SCHEDULER.add(tainted_requests=len(report.tainted))
+        return report.tainted
 
     def _running_state_blocks(self, load: LoadRequest, n_sched: int) -> None:
         """A loaded state must also be in the block the step computes on.  vLLM ("align" mode)
@@ -513,6 +547,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
             self._release(lease, served)
         if meta.load_failed:
             self.epoch += 1  # workers drop the stores of older metadata: computed over unloaded blocks
+            if self._bad is not None:
+                self._bad.failed(meta.failed_blocks, (tr.block_ids[0] for tr in self._reqs.values() if tr.block_ids))
         for rid, pos in [*meta.stores_cancelled.items(), *meta.load_failed.items()]:
             tr = self._reqs.get(rid)
             if tr is not None:  # stored again once recomputed

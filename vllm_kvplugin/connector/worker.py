@@ -110,6 +110,11 @@ class WorkerSide(FetchPath, StorePath):
         self._idle = False  # the bound step schedules no tokens (KVPluginMetadata.idle)
         self._progress = threading.Event()  # set when a fetch's hashes or a store are done
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
+        self._bound_epoch = 0  # the epoch of the step's metadata
+        #: bad blocks the scheduler half reports in this step (``connector/bad_blocks.py``), and this
+        #: worker's own failed ones until metadata built after the scheduler learned of them
+        self._reported: frozenset[int] = frozenset()
+        self._unacked: set[int] = set()
         self._attached = False  # fetch_now is in the scheduler half's box
 
     # ------------------------------------------------------------- registration
@@ -329,8 +334,11 @@ class WorkerSide(FetchPath, StorePath):
             logger.exception("vllm-kvplugin: load of %s failed after its claim (%s); its blocks are reported "
                              "to vLLM (load_failure_policy: %s)", req.req_id, reason, self.cfg.load_failure_policy)
             counters.WORKER.failure(reason)
-            for j in req.jobs:
-                self._invalid_blocks.update(b for b in j.block_ids if b)
+            blocks = {b for j in req.jobs for b in j.block_ids if b}
+            self._invalid_blocks |= blocks
+            self._meta.failed_blocks |= blocks
+            if self.cfg.load_failure_policy == "recompute" and len(self.groups) == 1:
+                self._unacked |= blocks
             self._meta.load_failed[req.req_id] = min(j.position for j in req.jobs)
             self._failed_epoch = max(self._failed_epoch, epoch)
         else:
@@ -345,6 +353,9 @@ class WorkerSide(FetchPath, StorePath):
         must not overwrite blocks that stores still read."""
         self.fingerprint = meta.fingerprint
         self._idle = meta.idle
+        self._reported, self._bound_epoch = meta.bad_blocks, meta.epoch
+        if meta.epoch > self._failed_epoch:
+            self._unacked.clear()  # the scheduler half's report holds them from now on
         if not self._attached and self.engine is not None:
             self._attach()
         self.engine.fence()
@@ -374,7 +385,10 @@ class WorkerSide(FetchPath, StorePath):
 
     # ------------------------------------------------------------------ results
     def take_invalid_blocks(self) -> set[int]:
-        out, self._invalid_blocks = self._invalid_blocks, set()
+        """The step's blocks for vLLM's ``get_block_ids_with_load_errors``: those of loads that
+        failed in it and, under the ``recompute`` policy, every bad block not yet recomputed
+        (vLLM truncates each request that read one; ``connector/bad_blocks.py``)."""
+        out, self._invalid_blocks = self._invalid_blocks | self._reported | self._unacked, set()
         return out
 
     def take_meta(self) -> KVPluginWorkerMeta | None:

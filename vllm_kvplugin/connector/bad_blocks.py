@@ -1,0 +1,87 @@
+"""vLLM blocks that do not hold what vLLM's prefix cache says they hold: those of a claimed load
+that failed (its copy never wrote them), and every block a step computed over such a block.
+
+Under vLLM's ``recompute`` policy a failed load's blocks stay in vLLM's prefix cache while the
+request recomputes them; vLLM truncates only the requests whose computed tokens cover a block in
+the step output that reports it.  A request that found those blocks in the prefix cache a step
+later was served them (``test_a_failed_claimed_load_is_served_to_no_other_request``).  So the
+connector reports every bad block as invalid in *every* step's output (the worker's
+``get_block_ids_with_load_errors``) until a step has computed it again over clean blocks: any
+request that reads one is then truncated to it and recomputes it, and its output of that step is
+dropped.  A block is good again once a step writes it from its first token by a request none of
+whose earlier blocks is bad, or loads it (a verified load of the plugin's).  A request whose
+earlier blocks hold a bad one is *tainted* in that step: what it writes is bad too, and none of
+its chunks is stored.
+
+:class:`BadBlocks` is the scheduler half's record (one KV cache group: vLLM 0.26-0.29 cannot
+take invalid blocks of several groups).  Who calls: ``SchedulerSide`` on vLLM's scheduler thread
+-- :meth:`failed` when a worker reports a failed load, :meth:`step` from every
+``build_connector_meta``.  Pure bookkeeping: no vLLM names, nothing waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step's metadata carries: ``invalid`` goes into the step's output as vLLM's
+    invalid blocks; ``tainted`` are the requests whose chunks this step must not store."""
+
+    invalid: frozenset[int] = frozenset()
+    tainted: frozenset[str] = frozenset()
+
+
+class BadBlocks:
+    """The bad blocks of one KV cache group of ``block_size`` tokens (see the module's docstring)."""
+
+    def __init__(self, block_size: int):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.blocks: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    def failed(self, blocks: Iterable[int], holders: Iterable[Sequence[int]]) -> None:
+        """A claimed load failed over ``blocks`` (learned a step or two after the steps that may
+        have read them).  ``holders``: the block ids of every request the scheduler tracks; one
+        that holds a failed block also computed its later blocks over it, so they are bad too
+        (vLLM truncates it to the first failed block and it recomputes them)."""
+        failed = {b for b in blocks if b > 0}  # (0: vLLM's null block, never read)
+        if not failed:
+            return
+        self.blocks |= failed
+        for ids in holders:
+            first = next((i for i, b in enumerate(ids) if b in failed), None)
+            if first is not None:
+                self.blocks.update(b for b in ids[first:] if b > 0)
+
+    def step(self, scheduled: Mapping[str, tuple[Sequence[int], int, int]], loaded: Iterable[int] = ()) -> StepReport:
+        """One step: ``scheduled`` maps each request of the step to (its block ids, tokens
+        computed before the step, tokens the step computes); ``loaded``: blocks the step's
+        verified loads write before its forward.  Returns what this step reports, then updates
+        the record: blocks written by tainted requests become bad, blocks written from their
+        first token by clean ones (and loaded ones) good."""
+        if not self.blocks:
+            return StepReport()
+        self.blocks.difference_update(loaded)
+        B = self.block_size
+        tainted: set[str] = set()
+        bad_written: set[int] = set()
+        good_written: set[int] = set()
+        for rid, (ids, start, n) in scheduled.items():
+            if n <= 0:
+                continue
+            first, end = start // B, -(-(start + n) // B)
+            if any(b in self.blocks for b in ids[:-(-start // B)]):
+                tainted.add(rid)
+                bad_written.update(b for b in ids[first:end] if b > 0)
+            else:
+                good_written.update(ids[k] for k in range(first, min(end, len(ids))) if k * B >= start)
+        invalid = frozenset(self.blocks | bad_written)
+        self.blocks = (self.blocks - good_written) | bad_written
+        return StepReport(invalid, frozenset(tainted))
