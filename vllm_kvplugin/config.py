@@ -86,9 +86,12 @@ FIELDS: tuple[FieldDoc, ...] = (
              "What vLLM does with a request whose load failed after its hit was claimed (a failed "
              "copy; doubtful KV is found before the claim and only shortens the hit): `fail` "
              "(default, vLLM's own: the request ends with an error and vLLM drops the blocks from "
-             "its prefix cache) or `recompute` (vLLM recomputes it but keeps the blocks the load "
-             "never wrote in its prefix cache meanwhile, where a request sharing the prefix can "
-             "read them: not recommended). vLLM's `kv_load_failure_policy`."),
+             "its prefix cache) or `recompute` (vLLM recomputes the request; vLLM keeps the blocks "
+             "the load never wrote in its prefix cache meanwhile, so the connector reports them, "
+             "and every block computed over them, to vLLM in every step until recomputed: a request "
+             "that reads one is recomputed too and none of its chunks of that step is stored. Models "
+             "with one KV cache group; with several, vLLM cannot take such reports and `recompute` "
+             "leaves those blocks readable). vLLM's `kv_load_failure_policy`."),
 )
 _BY_KEY = {f.key: f for f in FIELDS}
 
