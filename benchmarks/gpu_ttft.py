@@ -11,6 +11,9 @@ prompts in the same order:
   hit, no transfer at all (the floor any connector is measured against);
 * ``kvplugin``   - KVPluginConnector, in-process tier (page-locked host memory);
 * ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
+* ``kvplugin-early`` - the same, a lone hit claimed before the device's verdict
+  (``scheduler_lone.CLAIM_BEFORE_VERDICT``, with the ``recompute`` policy it needs; not in the
+  default set);
 * ``kvplugin-hash8`` - ``kvplugin`` hashing on at most 8 host threads (not in the default set:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
@@ -119,6 +122,8 @@ def transfer_config(mode: str, chunk: int, host_bytes: int, server: str | None):
         extra = {"chunk_size": chunk, "cpu_bytes": 0 if mode.startswith("kvplugin-server") else host_bytes}
         if mode == "kvplugin-noverify":  # what the payload checksums cost
             extra["verify_checksums"] = False
+        if mode.startswith("kvplugin-early"):  # claimed before the verdict: needs the recompute policy
+            extra["load_failure_policy"] = "recompute"
         if server:
             extra["server"] = server
         return KVTransferConfig(kv_connector="KVPluginConnector", kv_role="kv_both", kv_connector_extra_config=extra)
@@ -193,6 +198,9 @@ def mode_knobs(mode: str) -> None:
     if mode == "kvplugin-server-nowake":  # a lone request's lookup not announced to the server
         from vllm_kvplugin.connector import scheduler_lone
         scheduler_lone.WAKE_SERVER = False
+    if mode.startswith("kvplugin-early"):  # a lone hit claimed before its verdict (scheduler_lone.py)
+        from vllm_kvplugin.connector import scheduler_lone
+        scheduler_lone.CLAIM_BEFORE_VERDICT = True
     if mode == "kvplugin-linkwake":
         _wake_link_at_lookup()
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read

@@ -26,7 +26,8 @@ and worker in one process never reports a counter twice:
   ``server_store_errors``, ``server_store_skipped`` (server objects of a step that
   found no room in the worker's staging memory), ``server_store_direct`` (server objects the
   GPU copied straight into the server's pool, digested on the device), ``stores_cancelled``
-  (objects not stored because a load of their step failed) and ``load_failures`` (a dict: reason -> count; a hit whose
+  (objects not stored because a load of their step failed), ``early_claims`` (lone hits claimed
+  before the device's verdict, ``scheduler_lone.CLAIM_BEFORE_VERDICT``) and ``load_failures`` (a dict: reason -> count; a hit whose
   verification failed before its claim counts here too).
 
 Each connector hands vLLM the *delta* of its own set every step
@@ -50,7 +51,7 @@ SCHEDULER_FIELDS = (
 WORKER_FIELDS = (
     "loaded_tokens", "loaded_bytes", "stored_tokens", "stored_bytes",
     "load_seconds", "store_seconds", "server_store_errors", "server_store_skipped", "server_store_direct",
-    "stores_cancelled",
+    "stores_cancelled", "early_claims",
 )
 FAILURES = "load_failures"
 

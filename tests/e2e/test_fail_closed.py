@@ -310,3 +310,71 @@ def test_a_hit_whose_device_digests_cannot_start_is_recomputed_and_kept(qwen3_mo
             assert vllm_kvplugin.stats()["load_failures"] == {"verify_error": 1}
         finally:
             shutdown(llm)
+
+
+@pytest.mark.parametrize("bad", [3, 0])
+def test_a_hit_claimed_before_its_verdict_and_refuted_is_recomputed(qwen3_model, monkeypatch, bad):
+    """``scheduler_lone.CLAIM_BEFORE_VERDICT`` under the ``recompute`` policy: a lone request's
+    hit is claimed and loaded while its objects are still being verified, and one byte of chunk
+    ``bad``'s object is wrong.  The verdict, awaited at the end of the step that loaded it,
+    refutes the load: its blocks from that chunk on go to vLLM, which drops the step's output
+    and recomputes them.  The output is right on poisoned KV, the object is dropped once and
+    counted under ``checksum``, nothing computed over the refuted bytes is stored, and the next
+    runs hit in full."""
+    from test_integrity import _local_flip
+
+    from vllm_kvplugin.connector import scheduler_lone
+    from vllm_kvplugin.connector import worker_fetch as fmod
+
+    monkeypatch.setattr(scheduler_lone, "CLAIM_BEFORE_VERDICT", True)
+    hashes = fmod.start_payload_checksums
+    monkeypatch.setattr(fmod, "start_payload_checksums", lambda payloads: _NotInYet(hashes(payloads)))
+    monkeypatch.setattr("test_integrity.CHUNK", CHUNK)
+    p = prompt(LEN, seed=400 + bad)
+    base = engine(qwen3_model, 32, None)
+    try:
+        want = generate(base, [p])[0].token_ids
+    finally:
+        shutdown(base)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "load_failure_policy": "recompute"})
+        try:
+            assert generate(llm, [p])[0].token_ids == want
+            flip, _ = _local_flip(probe, p, bad)
+            flip()
+            probe.poison_all_blocks(seed=3)
+            assert generate(llm, [p])[0].token_ids == want
+            s = vllm_kvplugin.stats()
+            assert s["early_claims"] == 1 and s["load_failures"] == {"checksum": 1}, s
+            assert s["dropped_objects"] == 1
+            for i in range(2):  # stored again where it failed: full hits (claimed early) on poisoned KV
+                probe.poison_all_blocks(seed=10 + i)
+                r = generate(llm, [p])[0]
+                assert r.token_ids == want and r.num_cached_tokens == (len(p) - 1) // CHUNK * CHUNK
+            s = vllm_kvplugin.stats()
+            assert s["load_failures"] == {"checksum": 1} and s["early_claims"] == 3, s
+        finally:
+            shutdown(llm)
+
+
+class _NotInYet:
+    """The host's hashes of a hit, in only once asked for.  The tiny model's objects are hashed
+    at once, before a claim could come first; a GPU's digests of an 8B model's hit take as long
+    as its copy (the GPU lane claims those early for real)."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, False
+
+    def done(self) -> bool:
+        return self.asked
+
+    def when_done(self, callback) -> None:
+        pass  # (never waited on: settled when asked)
+
+    def result(self) -> list[int]:
+        self.asked = True
+        return self.inner.result()
+
+    def advance(self) -> None:
+        pass

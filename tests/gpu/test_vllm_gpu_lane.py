@@ -208,6 +208,47 @@ def test_a_failed_claimed_load_is_recomputed_under_asynchronous_scheduling(model
     print(f"GPU LANE failed claimed load, recompute, async scheduling: stats {vllm_kvplugin.stats()}")
 
 
+def test_a_hit_claimed_before_its_verdict_and_refuted_on_the_device_is_recomputed(model, monkeypatch):
+    """``scheduler_lone.CLAIM_BEFORE_VERDICT`` with the ``recompute`` policy and vLLM's
+    asynchronous scheduling: a lone hit is claimed while its copy and digests run, and one byte
+    of chunk 5's object is wrong.  The digests, awaited at the end of the step that loaded it,
+    refute it: vLLM drops that step's output and recomputes from chunk 5.  The output is right
+    on poisoned KV, the object dropped once, and the next runs hit in full, claimed early."""
+    import test_integrity
+    from test_integrity import _local_flip
+
+    from vllm_kvplugin.connector import scheduler_lone
+
+    monkeypatch.setattr(scheduler_lone, "CLAIM_BEFORE_VERDICT", True)
+    monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
+    p = prompt(8 * CHUNK + 10, seed=61)
+    kw = dict(max_model_len=12_000, kv_bytes=1 << 30)
+    want = _reference(model, p, **kw)
+    counters.STATS.reset()
+    with Probe().installed() as probe:
+        llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30, "load_failure_policy": "recompute"},
+                     async_scheduling=True, **kw)
+        try:
+            assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+            assert probe.worker.engine.digests
+            assert generate(llm, [p])[0].token_ids == want
+            flip, _ = _local_flip(probe, p, 5)
+            flip()
+            probe.poison_all_blocks(seed=1)
+            assert generate(llm, [p])[0].token_ids == want
+            s = vllm_kvplugin.stats()
+            assert s["early_claims"] == 1 and s["load_failures"] == {"checksum": 1} and s["dropped_objects"] == 1, s
+            for i in range(2):
+                probe.poison_all_blocks(seed=10 + i)
+                r = generate(llm, [p])[0]
+                assert r.token_ids == want and r.num_cached_tokens == 8 * CHUNK
+            s = vllm_kvplugin.stats()
+            assert s["early_claims"] == 3 and s["load_failures"] == {"checksum": 1}, s
+            print(f"GPU LANE early claim refuted on the device: stats {s}")
+        finally:
+            shutdown(llm)
+
+
 def _noted(rows: list[int], pre):
     """A prefetch's rows noted (0: none sent); the prefetch."""
     rows.append(pre.rows if pre is not None else 0)

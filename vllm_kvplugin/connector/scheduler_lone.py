@@ -68,6 +68,14 @@ WAKE_SERVER = True
 #: again on the index's thread, with the client's own wait
 LOOKUP_HERE_PROMOTION_WAIT_S = 0.02
 
+#: whether a lone request's hit that the device verifies is claimed before its verdict, where a
+#: refuted load is safe: vLLM's ``recompute`` policy with one KV cache group, whose bad blocks the
+#: connector reports until recomputed (``connector/bad_blocks.py``).  vLLM then allocates the
+#: blocks and prepares the step while the copy runs, the scatter waits on the device for each
+#: piece, and the step's end waits for the digests (``FetchPath.fetch_now``'s ``early``): objects
+#: they refute are a failed load of that step, whose outputs vLLM drops and recomputes.
+CLAIM_BEFORE_VERDICT = False
+
 #: whether a lone request's claimed hit is loaded at its allocation (:meth:`LoneFetch._load_here`);
 #: off, it is loaded from the step's metadata like any other (benchmarks compare the two)
 LOAD_AT_ALLOCATION = True
@@ -75,7 +83,7 @@ LOAD_AT_ALLOCATION = True
 
 class LoneFetch:
     """The lone request's fetch (a mixin of ``SchedulerSide``; see the module's docstring).  Uses
-    its ``world_size``, ``chunk_size``, ``groups``, ``local``, ``server``, ``fingerprint``,
+    its ``world_size``, ``chunk_size``, ``groups``, ``local``, ``server``, ``fingerprint``, ``_bad``,
     ``namespace``, ``drafter``, ``_started``, ``_reqs``, ``_storing``, ``_verdicts``, ``_forget``,
     ``_limit``, ``_local_plan``, ``_pinned_jobs`` and ``_release``."""
 
@@ -100,7 +108,8 @@ class LoneFetch:
         if fetch_now is None:
             return None
         t0 = time.monotonic()
-        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S, more)
+        done = fetch_now(req, self.fingerprint, LONE_FETCH_WAIT_S, more,
+                         early=CLAIM_BEFORE_VERDICT and self._bad is not None)
         if done is not None:
             counters.SCHEDULER.add(lone_fetches=1, lone_fetch_wait_s=time.monotonic() - t0)
             # an earlier fetch of the request, given up this step, was forgotten there first

@@ -107,6 +107,9 @@ class WorkerSide(FetchPath, StorePath):
         self._staged: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # verified objects per request
         self._prefetched: dict[str, list[Sent]] = {}  # what each fetch sent toward the device
         self._verifying: dict[str, _Verifying] = {}  # fetches whose verdict is still due
+        self._provisional: set[str] = set()  # fetches claimed before their verdict (worker_fetch.py)
+        self._loaded_unverified: dict[str, tuple[LoadRequest, int]] = {}  # their loads, verdict still due
+        self._refuted: dict[str, int] = {}  # such fetches refuted before their load: first bad chunk
         self._idle = False  # the bound step schedules no tokens (KVPluginMetadata.idle)
         self._progress = threading.Event()  # set when a fetch's hashes or a store are done
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
@@ -288,7 +291,10 @@ class WorkerSide(FetchPath, StorePath):
         t0 = time.perf_counter()
         staged = self._staged.get(req.req_id, {})
         prefetched = self._prefetched.get(req.req_id, ())
+        provisional = req.req_id in self._provisional  # claimed before its verdict (worker_fetch.py)
         try:
+            if req.req_id in self._refuted:  # its digests came in before the load: it fails as a whole
+                raise ChunkError("refuted", f"objects from chunk {self._refuted.pop(req.req_id)} failed their digests")
             work, states, moved = [], [], [0] * len(self.groups)
             for g, spec in enumerate(self.groups):
                 jobs = [j for j in req.jobs if j.group == g]
@@ -331,22 +337,37 @@ class WorkerSide(FetchPath, StorePath):
                 scatter_state(views, block, src)
         except Exception as e:  # never crash the engine: the blocks go to vLLM as failed
             reason = e.reason if isinstance(e, ChunkError) else "error"
-            logger.exception("vllm-kvplugin: load of %s failed after its claim (%s); its blocks are reported "
-                             "to vLLM (load_failure_policy: %s)", req.req_id, reason, self.cfg.load_failure_policy)
-            counters.WORKER.failure(reason)
-            blocks = {b for j in req.jobs for b in j.block_ids if b}
-            self._invalid_blocks |= blocks
-            self._meta.failed_blocks |= blocks
-            if self.cfg.load_failure_policy == "recompute" and len(self.groups) == 1:
-                self._unacked |= blocks
-            self._meta.load_failed[req.req_id] = min(j.position for j in req.jobs)
-            self._failed_epoch = max(self._failed_epoch, epoch)
+            if reason == "refuted":  # (counted by its digests' verdict)
+                logger.warning("vllm-kvplugin: load of %s refused: %s", req.req_id, e)
+            else:
+                logger.exception("vllm-kvplugin: load of %s failed after its claim (%s); its blocks are "
+                                 "reported to vLLM (load_failure_policy: %s)", req.req_id, reason,
+                                 self.cfg.load_failure_policy)
+                counters.WORKER.failure(reason)
+            self._failed_load(req.req_id, req.jobs, epoch)
+            provisional = False
         else:
             counters.WORKER.add(loaded_tokens=req.num_tokens, loaded_bytes=sum(moved),
                                 load_seconds=time.perf_counter() - t0)
         finally:
-            self._forget(req.req_id)
+            self._forget(req.req_id, keep_verdict=provisional)
+        if provisional:
+            self._loaded_unverified[req.req_id] = (req, epoch)
         self._meta.loads_done[req.req_id] = self._meta.loads_done.get(req.req_id, 0) + 1
+
+    def _failed_load(self, req_id: str, jobs: Sequence[LoadJob], epoch: int) -> None:
+        """``jobs`` of ``req_id``'s load (from metadata of ``epoch``) did not put the right KV into
+        their blocks: the blocks go to vLLM as invalid in this step's output (and, under the
+        ``recompute`` policy, in later ones until the scheduler half reports them), the scheduler
+        half learns which, and the stores of metadata up to ``epoch`` are dropped."""
+        blocks = {b for j in jobs for b in j.block_ids if b}
+        self._invalid_blocks |= blocks
+        self._meta.failed_blocks |= blocks
+        if self.cfg.load_failure_policy == "recompute" and len(self.groups) == 1:
+            self._unacked |= blocks
+        first = min(j.position for j in jobs)
+        self._meta.load_failed[req_id] = min(first, self._meta.load_failed.get(req_id, first))
+        self._failed_epoch = max(self._failed_epoch, epoch)
 
     def bind(self, meta: KVPluginMetadata) -> None:
         """Every step, before the forward: take the scheduler's fingerprint; the compute stream
@@ -386,14 +407,17 @@ class WorkerSide(FetchPath, StorePath):
     # ------------------------------------------------------------------ results
     def take_invalid_blocks(self) -> set[int]:
         """The step's blocks for vLLM's ``get_block_ids_with_load_errors``: those of loads that
-        failed in it and, under the ``recompute`` policy, every bad block not yet recomputed
-        (vLLM truncates each request that read one; ``connector/bad_blocks.py``)."""
+        failed in it (a load claimed before its verdict is settled first) and, under the
+        ``recompute`` policy, every bad block not yet recomputed (vLLM truncates each request
+        that read one; ``connector/bad_blocks.py``)."""
+        self._settle_unverified_loads()
         out, self._invalid_blocks = self._invalid_blocks | self._reported | self._unacked, set()
         return out
 
     def take_meta(self) -> KVPluginWorkerMeta | None:
         """Every step, after it: what finished since the last one (verdicts, stores, loads)."""
         self.pump()
+        self._settle_unverified_loads()
         self._settle(wait=self._idle)
         self.finisher.take(self._meta)
         if self._meta.is_empty():

@@ -83,12 +83,13 @@ class _Verifying:
 class FetchPath:
     """Fetches and their verdicts for the worker half (a mixin of ``WorkerSide``; see the
     module's docstring).  Its state, made by ``WorkerSide.__init__``: ``_verifying`` (fetches
-    whose verdict is still due), ``_staged`` (verified objects per request), ``_prefetched``
+    whose verdict is still due; ``_provisional``, ``_loaded_unverified`` and ``_refuted`` for those
+    claimed before it), ``_staged`` (verified objects per request), ``_prefetched``
     (per request, what is on the device: :class:`Sent`) and ``_progress`` (set when hashes or a
     store are done)."""
 
     def fetch_now(self, req: FetchRequest, fingerprint: bytes, wait_s: float,
-                  more: Callable[[], list[FetchJob]] | None = None) -> bool | None:
+                  more: Callable[[], list[FetchJob]] | None = None, early: bool = False) -> bool | None:
         """Called by the scheduler half of an engine of one rank (through its box), on vLLM's
         thread between steps, while the engine runs no request: fetch and verify ``req`` now and
         wait, at most ``wait_s``, for its verdict, which goes into the box as any other (device
@@ -101,6 +102,13 @@ class FetchPath:
         ``more``: the scheduler's lookup of the hit's other objects, called once ``req``'s are on
         their way (so the link copies those while the rest are keyed, planned and pinned); what it
         returns is fetched after them, as one fetch whose verdict covers both parts in order.
+
+        ``early`` (the scheduler half may claim before the verdict: ``scheduler_lone.py``'s
+        :data:`~vllm_kvplugin.connector.scheduler_lone.CLAIM_BEFORE_VERDICT`): when every object
+        whose header passed is being verified (on the device, or by the host's threads), a
+        provisional verdict -- those objects -- goes into the box at once, and the real one
+        settles at the end of the step that loads them (:meth:`_settle_unverified_loads`):
+        objects it refutes are a failed load of that step.
 
         True: the verdict is in the box.  False: the fetch is under way and its verdict comes
         later, from a step's :meth:`take_meta`.  None: not started (no transfer engine yet);
@@ -121,6 +129,8 @@ class FetchPath:
             if box is None:
                 return None
             box.post(req.req_id, req.serial, 0)
+            return True
+        if early and self._provisional_verdict(req.req_id):
             return True
         deadline = time.monotonic() + wait_s
         collect = prefetched >= GC_IN_FETCH_MIN_BYTES and gc.isenabled()  # (a process that turned it off meant it)
@@ -146,6 +156,50 @@ class FetchPath:
             else:
                 self._progress.wait(left)  # (host hashes: their threads need the cores)
         return True
+
+    def _provisional_verdict(self, req_id: str) -> bool:
+        """Post ``req_id``'s provisional verdict when every object of its fetch whose header
+        passed is being verified (see :meth:`fetch_now`'s ``early``)."""
+        v = self._verifying.get(req_id)
+        box = self._box()
+        if v is None or box is None or v.sums is None or v.sums.done() or set(v.checked) - set(v.order):
+            return False
+        good = next((n for n, e in enumerate(v.errors) if e is not None), len(v.req.jobs))
+        if good == 0:
+            return False
+        self._staged[req_id] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(v.req.jobs[:good])}
+        self._provisional.add(req_id)
+        box.post(req_id, v.req.serial, good)
+        counters.WORKER.add(early_claims=1)
+        return True
+
+    def _settle_unverified_loads(self) -> None:
+        """Before a step's stores are issued and its results given to vLLM: wait for the verdict
+        of every load that step made before it (with the GIL released; the last digest ends
+        ~0.1 ms after the copy's last byte, and the step's forward waits on the device for the
+        copy anyway), then settle them -- objects refuted are a failed load of that step."""
+        for rid in list(self._loaded_unverified):
+            v = self._verifying.get(rid)
+            if v is not None and v.sums is not None:
+                try:
+                    v.sums.result()
+                except Exception:  # (``_settle`` gives it its verdict: nothing verified)
+                    pass
+        if self._loaded_unverified:
+            self._settle()
+
+    def _refute(self, rid: str, jobs: list[FetchJob], good: int) -> None:
+        """The verdict of a fetch claimed before it (``jobs``' leading ``good`` passed): a load
+        already made over the others failed; one still to come fails whole."""
+        loaded = self._loaded_unverified.pop(rid, None)
+        if good >= len(jobs):
+            return
+        if loaded is None:
+            self._refuted[rid] = jobs[good].position
+            return
+        req, epoch = loaded
+        bad = {(j.position, j.group) for j in jobs[good:]}
+        self._failed_load(rid, [j for j in req.jobs if (j.position, j.group) in bad], epoch)
 
     def _copy_nearly_in(self, req_id: str) -> bool:
         """Whether every piece of ``req_id``'s copy but the last has landed (its last prefetch's)."""
@@ -280,7 +334,11 @@ class FetchPath:
                     if got is not None and n in v.checked and got != v.checked[n][0]:
                         errors[n] = ChunkError("checksum", "payload bytes do not match the header checksum")
             good = next((n for n, e in enumerate(errors) if e is not None), len(jobs))
-            self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
+            if rid in self._provisional:  # claimed before this verdict (its views staged then)
+                self._provisional.discard(rid)
+                self._refute(rid, jobs, good)
+            else:
+                self._staged[rid] = {(j.position, j.group): v.checked[n][1] for n, j in enumerate(jobs[:good])}
             bad = self._failed_fetch(v.req, errors) if good < len(jobs) else {}
             box = self._box()
             if box is not None:  # the scheduler half is in this process: it takes it before its next match
@@ -337,10 +395,15 @@ class FetchPath:
                 mine = mine[:pre.rows]
                 sent.append(Sent(g, pre, mine, {jobs[n].position: row for row, n in enumerate(mine)}))
 
-    def _forget(self, req_id: str) -> None:
+    def _forget(self, req_id: str, keep_verdict: bool = False) -> None:
         """A fetch that will not load (or just did): its views and device staging go, and a
-        verdict still due is never given (hashes still running are left to finish unread)."""
-        self._verifying.pop(req_id, None)
+        verdict still due is never given (hashes still running are left to finish unread) --
+        unless ``keep_verdict`` (a load made before it: :meth:`_settle_unverified_loads`)."""
+        if not keep_verdict:
+            self._verifying.pop(req_id, None)
+            self._provisional.discard(req_id)
+            self._loaded_unverified.pop(req_id, None)
+        self._refuted.pop(req_id, None)
         self._staged.pop(req_id, None)
         for s in self._prefetched.pop(req_id, ()):
             self.engine.release(s.pre)

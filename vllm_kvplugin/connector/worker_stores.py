@@ -43,6 +43,7 @@ class StorePath:
         jobs = [job for req in meta.stores for job in req.jobs]
         if not jobs:
             return
+        self._settle_unverified_loads()  # (a load of this step refuted now drops these stores)
         if meta.epoch <= self._failed_epoch:
             self._cancel(meta)
             return
