@@ -160,6 +160,7 @@ class CudaTransfer(StorePath):
             self._d2h = torch.cuda.Stream(device)  # staging -> host DMAs
             self._h2d = torch.cuda.Stream(device)  # host -> staging DMAs
             self._dig = torch.cuda.Stream(device)  # payload digests (and their copy to the host)
+            self._joins: torch.cuda.Stream | None = None  # events joining others (_join)
         self._pool: list[Staging] = []
         self._uses = 0
         self._pending_gathers: list[torch.cuda.Event] = []
@@ -356,8 +357,19 @@ class CudaTransfer(StorePath):
                     at += len(rows)
             done = self._event(compute)
             for pre, _ in parts:
-                pre.staging.busy = done
+                # a load made before its verdict: the prefetch's digests may still read the rows
+                digests = pre.staging.busy
+                pre.staging.busy = done if digests is None or digests.query() else self._join(done, digests)
                 pre.staging.tensor.record_stream(compute)  # (freed memory waits for the scatter too)
+
+    def _join(self, *events: torch.cuda.Event) -> torch.cuda.Event:
+        """An event that completes once all of ``events`` have (recorded on a stream of its own,
+        so that no stream doing work waits for another's)."""
+        if self._joins is None:
+            self._joins = torch.cuda.Stream(self.device)
+        for ev in events:
+            self._joins.wait_event(ev)
+        return self._event(self._joins)
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
