@@ -12,8 +12,9 @@ prompts in the same order:
 * ``kvplugin``   - KVPluginConnector, in-process tier (page-locked host memory);
 * ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
 * ``kvplugin-early`` - the same, a lone hit claimed before the device's verdict
-  (``scheduler_lone.CLAIM_BEFORE_VERDICT``, with the ``recompute`` policy it needs; not in the
-  default set);
+  (``scheduler_lone.CLAIM_BEFORE_VERDICT``, with the ``recompute`` policy it needs, which needs
+  vLLM's synchronous scheduling), and ``kvplugin-sync``, ``kvplugin`` with synchronous
+  scheduling, to compare it with (neither in the default set);
 * ``kvplugin-hash8`` - ``kvplugin`` hashing on at most 8 host threads (not in the default set:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
@@ -250,9 +251,10 @@ def _engine(mode: str, args, lengths: list[int], server: str | None, side_by_sid
         ktc.kv_connector_extra_config["gpu_staging_bytes"] = args.gpu_staging_bytes
     max_len = max(lengths) + 64
     kv_bytes = args.kv_bytes or (KV_BYTES if not side_by_side else _kv_bytes_for(max_len))
+    sync = {"async_scheduling": False} if mode.startswith(("kvplugin-early", "kvplugin-sync")) else {}
     llm = LLM(model=args.model, enable_prefix_caching=True, max_model_len=max_len, **graph_kwargs(args.graphs, 1),
               kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_util, block_size=args.block,
-              kv_transfer_config=ktc, seed=0, max_num_batched_tokens=args.max_batched or max_len)
+              kv_transfer_config=ktc, seed=0, max_num_batched_tokens=args.max_batched or max_len, **sync)
     if args.serve_loop:
         serve_loop(llm)
     return llm, timers

@@ -91,10 +91,11 @@ FIELDS: tuple[FieldDoc, ...] = (
              "and every block computed over them, to vLLM in every step until recomputed: a request "
              "that reads one is recomputed too and none of its chunks of that step is stored. Models "
              "with one KV cache group; with several, vLLM cannot take such reports and `recompute` "
-             "leaves those blocks readable. Tested with vLLM's synchronous scheduling only: under "
-             "its asynchronous scheduling, vLLM's default on GPUs, a request's next step is already "
-             "scheduled when its failed load is reported, and whether vLLM drops that step's token "
-             "is not yet verified). vLLM's `kv_load_failure_policy`."),
+             "leaves those blocks readable. `recompute` needs vLLM's synchronous scheduling "
+             "(`async_scheduling=False`; asynchronous scheduling is vLLM's default on GPUs): under "
+             "asynchronous scheduling vLLM keeps a recomputed request's output placeholders (vLLM "
+             "issue #45138) and the request may never finish, so that combination is a start-up "
+             "error). vLLM's `kv_load_failure_policy`."),
 )
 _BY_KEY = {f.key: f for f in FIELDS}
 

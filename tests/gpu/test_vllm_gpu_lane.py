@@ -195,22 +195,20 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
             srv.stop()
 
 
-def test_a_failed_claimed_load_is_recomputed_under_asynchronous_scheduling(model):
-    """``test_fail_closed``'s failed claimed load under the ``recompute`` policy, with vLLM's
-    asynchronous scheduling (the CPU platform turns it off): the next step is scheduled before
-    the failing one's output is in, so a request that reads the blocks the load never wrote can
-    be scheduled before the scheduler half learns of the failure.  Both requests must be right,
-    and nothing computed over those blocks stored."""
+def test_a_failed_claimed_load_is_recomputed_on_gpu(model):
+    """``test_fail_closed``'s failed claimed load under the ``recompute`` policy on the GPU
+    (vLLM's synchronous scheduling, which that policy needs: ``BadBlocks.for_policy``): both
+    requests right, nothing computed over the blocks the load never wrote stored."""
     from test_fail_closed import failed_claimed_load_scenario
 
-    failed_claimed_load_scenario(model, "recompute", CHUNK, BLOCK, async_scheduling=True,
+    failed_claimed_load_scenario(model, "recompute", CHUNK, BLOCK, async_scheduling=False,
                                  max_model_len=12_000, kv_bytes=1 << 30)
-    print(f"GPU LANE failed claimed load, recompute, async scheduling: stats {vllm_kvplugin.stats()}")
+    print(f"GPU LANE failed claimed load, recompute: stats {vllm_kvplugin.stats()}")
 
 
 def test_a_hit_claimed_before_its_verdict_and_refuted_on_the_device_is_recomputed(model, monkeypatch):
-    """``scheduler_lone.CLAIM_BEFORE_VERDICT`` with the ``recompute`` policy and vLLM's
-    asynchronous scheduling: a lone hit is claimed while its copy and digests run, and one byte
+    """``scheduler_lone.CLAIM_BEFORE_VERDICT`` with the ``recompute`` policy (and the synchronous
+    scheduling it needs): a lone hit is claimed while its copy and digests run, and one byte
     of chunk 5's object is wrong.  The digests, awaited at the end of the step that loaded it,
     refute it: vLLM drops that step's output and recomputes from chunk 5.  The output is right
     on poisoned KV, the object dropped once, and the next runs hit in full, claimed early."""
@@ -227,9 +225,8 @@ def test_a_hit_claimed_before_its_verdict_and_refuted_on_the_device_is_recompute
     counters.STATS.reset()
     with Probe().installed() as probe:
         llm = engine(model, BLOCK, {"chunk_size": CHUNK, "cpu_bytes": 1 << 30, "load_failure_policy": "recompute"},
-                     async_scheduling=True, **kw)
+                     async_scheduling=False, **kw)
         try:
-            assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
             assert probe.worker.engine.digests
             assert generate(llm, [p])[0].token_ids == want
             flip, _ = _local_flip(probe, p, 5)

@@ -71,3 +71,27 @@ def test_a_clean_and_a_tainted_writer_of_one_block_leave_it_bad():
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError, match="block_size must be positive, got 0"):
         BadBlocks(0)
+
+
+def _groups(n: int):
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(block_size=B) for _ in range(n)]
+
+
+def test_only_the_recompute_policy_with_one_group_keeps_a_record():
+    assert BadBlocks.for_policy("fail", _groups(1), async_scheduling=True) is None
+    bad = BadBlocks.for_policy("recompute", _groups(1), async_scheduling=False)
+    assert isinstance(bad, BadBlocks) and bad.block_size == B
+
+
+def test_recompute_with_several_groups_keeps_none_and_says_so(caplog):
+    assert BadBlocks.for_policy("recompute", _groups(2), async_scheduling=False) is None
+    assert "with 2 KV cache groups" in caplog.text
+
+
+def test_recompute_under_asynchronous_scheduling_is_a_startup_error():
+    from vllm_kvplugin.config import ConfigError
+
+    with pytest.raises(ConfigError, match="load_failure_policy 'recompute' needs vLLM's synchronous scheduling"):
+        BadBlocks.for_policy("recompute", _groups(1), async_scheduling=True)

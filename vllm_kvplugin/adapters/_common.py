@@ -242,6 +242,12 @@ def max_batched_tokens(vllm_config: Any) -> int:
     return int(vllm_config.scheduler_config.max_num_batched_tokens)
 
 
+def async_scheduling(vllm_config: Any) -> bool:
+    """Whether vLLM schedules a step before the last one's output is in (its
+    ``async_scheduling``, resolved by the time a connector is made)."""
+    return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+
+
 def check_pipeline_split(vllm_config: Any) -> None:
     """Pipeline parallelism only with every stage holding the same number of layers (the only
     split tested); anything else is a start-up error naming the split."""

@@ -21,8 +21,14 @@ take invalid blocks of several groups).  Who calls: ``SchedulerSide`` on vLLM's 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from vllm_kvplugin.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,30 @@ class BadBlocks:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.blocks: set[int] = set()
+
+    @classmethod
+    def for_policy(cls, policy: str, groups: Sequence[Any], async_scheduling: bool) -> BadBlocks | None:
+        """The scheduler half's record under vLLM's ``policy`` for a model of ``groups`` (KV cache
+        group specs), or None where there is nothing to report: ``fail`` (vLLM drops the blocks),
+        or several groups (vLLM 0.26-0.29 take no block ids of several; a warning says that
+        ``recompute`` then leaves them readable).  ``recompute`` under vLLM's asynchronous
+        scheduling is a start-up error: vLLM keeps a recomputed request's output placeholders
+        there (vLLM issue #45138; read in 0.26 and 0.32), and the request may never finish."""
+        if policy != "recompute":
+            return None
+        if async_scheduling:
+            raise ConfigError(
+                "vllm-kvplugin: load_failure_policy 'recompute' needs vLLM's synchronous scheduling "
+                "(async_scheduling=False, --no-async-scheduling): under asynchronous scheduling vLLM "
+                "keeps a recomputed request's output placeholders (vLLM issue #45138), and the "
+                "request may never finish. Use 'fail' (the default) or turn asynchronous scheduling off.")
+        if len(groups) != 1:
+            logger.warning("vllm-kvplugin: load_failure_policy 'recompute' with %d KV cache groups: should a "
+                           "copy fail after its hit was claimed, vLLM keeps the blocks it never wrote in its "
+                           "prefix cache until the request has recomputed them, and a request sharing the "
+                           "prefix can read them", len(groups))
+            return None
+        return cls(groups[0].block_size)
 
     def __bool__(self) -> bool:
         return bool(self.blocks)

@@ -139,13 +139,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         self._fetches = 0  # fetches issued (their serials)
         #: blocks reported to vLLM until recomputed: vLLM's ``recompute`` policy keeps a failed
         #: load's blocks in its prefix cache (one KV cache group: vLLM 0.26-0.29 take no others)
-        self._bad = (BadBlocks(self.groups[0].block_size)
-                     if cfg.load_failure_policy == "recompute" and len(self.groups) == 1 else None)
-        if cfg.load_failure_policy == "recompute" and self._bad is None:
-            logger.warning("vllm-kvplugin: load_failure_policy 'recompute' with %d KV cache groups: should a "
-                           "copy fail after its hit was claimed, vLLM keeps the blocks it never wrote in its "
-                           "prefix cache until the request has recomputed them, and a request sharing the "
-                           "prefix can read them", len(self.groups))
+        #: blocks reported to vLLM until recomputed (``recompute`` policy, one KV cache group)
+        self._bad = BadBlocks.for_policy(cfg.load_failure_policy, self.groups, _common.async_scheduling(vllm_config))
         self._loaded_now: set[int] = set()  # blocks loaded at allocation since the last metadata
         self._grace_left = LOOKUP_GRACE_S  # of this step's wait for server lookups
         self._verdicts = open_box(_common.engine_id(vllm_config))  # a one-process engine's verdicts
