@@ -137,8 +137,6 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         self._started: set[str] = set()  # requests scheduled and not finished (any of them)
         self._holding = False  # this step's scheduling held a request back for this connector
         self._fetches = 0  # fetches issued (their serials)
-        #: blocks reported to vLLM until recomputed: vLLM's ``recompute`` policy keeps a failed
-        #: load's blocks in its prefix cache (one KV cache group: vLLM 0.26-0.29 take no others)
         #: blocks reported to vLLM until recomputed (``recompute`` policy, one KV cache group)
         self._bad = BadBlocks.for_policy(cfg.load_failure_policy, self.groups, _common.async_scheduling(vllm_config))
         self._loaded_now: set[int] = set()  # blocks loaded at allocation since the last metadata

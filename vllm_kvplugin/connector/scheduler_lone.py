@@ -68,12 +68,13 @@ WAKE_SERVER = True
 #: again on the index's thread, with the client's own wait
 LOOKUP_HERE_PROMOTION_WAIT_S = 0.02
 
-#: whether a lone request's hit that the device verifies is claimed before its verdict, where a
-#: refuted load is safe: vLLM's ``recompute`` policy with one KV cache group, whose bad blocks the
-#: connector reports until recomputed (``connector/bad_blocks.py``).  vLLM then allocates the
-#: blocks and prepares the step while the copy runs, the scatter waits on the device for each
-#: piece, and the step's end waits for the digests (``FetchPath.fetch_now``'s ``early``): objects
-#: they refute are a failed load of that step, whose outputs vLLM drops and recomputes.
+#: whether a lone request's hit is claimed before its verdict, where a refuted load is safe:
+#: vLLM's ``recompute`` policy (which needs its synchronous scheduling) with one KV cache group,
+#: whose bad blocks the connector reports until recomputed (``connector/bad_blocks.py``).  vLLM
+#: then allocates the blocks and prepares the step while the copy runs, the scatter waits on the
+#: device for each piece, and the step's end waits for the digests (``FetchPath.fetch_now``'s
+#: ``early``): objects they refute are a failed load of that step, whose outputs vLLM drops and
+#: recomputes.  Off until measured on a GPU (``benchmarks/NOTES.md``, twenty-seventh session).
 CLAIM_BEFORE_VERDICT = False
 
 #: whether a lone request's claimed hit is loaded at its allocation (:meth:`LoneFetch._load_here`);

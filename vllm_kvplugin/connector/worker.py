@@ -113,7 +113,6 @@ class WorkerSide(FetchPath, StorePath):
         self._idle = False  # the bound step schedules no tokens (KVPluginMetadata.idle)
         self._progress = threading.Event()  # set when a fetch's hashes or a store are done
         self._failed_epoch = -1  # metadata up to this epoch was built before a failed load was known
-        self._bound_epoch = 0  # the epoch of the step's metadata
         #: bad blocks the scheduler half reports in this step (``connector/bad_blocks.py``), and this
         #: worker's own failed ones until metadata built after the scheduler learned of them
         self._reported: frozenset[int] = frozenset()
@@ -374,7 +373,7 @@ class WorkerSide(FetchPath, StorePath):
         must not overwrite blocks that stores still read."""
         self.fingerprint = meta.fingerprint
         self._idle = meta.idle
-        self._reported, self._bound_epoch = meta.bad_blocks, meta.epoch
+        self._reported = meta.bad_blocks
         if meta.epoch > self._failed_epoch:
             self._unacked.clear()  # the scheduler half's report holds them from now on
         if not self._attached and self.engine is not None:
