@@ -117,9 +117,11 @@ def test_pp2_local_tier(qwen3_model):
 def test_tp2_one_rank_failing_its_load_or_its_store(qwen3_model):
     """Rank 1's object of chunk 3 is corrupt (rank 0's is fine): both ranks claim only the
     prefix both verified, and the bad object is dropped once.  Then rank 1's store fails
-    while rank 0's succeeds: the slot is freed (not pending forever) and stored again.
-    After each, the prompt and its extension again with every block of both ranks poisoned:
-    right outputs, and full hits again."""
+    while rank 0's succeeds: the slot is freed (not pending forever) and stored again.  Then
+    rank 1's copy of a claimed hit fails while rank 0's lands, under the ``recompute`` policy:
+    vLLM recomputes the request from the blocks both ranks report.  After each, the prompt and
+    its extension again with every block of both ranks poisoned: right outputs, and full hits
+    again."""
     _one_rank_failing_its_load_or_its_store(qwen3_model, pp=False)
 
 
@@ -144,10 +146,16 @@ def _one_rank_failing_its_load_or_its_store(qwen3_model: str, pp: bool) -> None:
     for i in range(3):
         assert [r["cached"] for r in by_tag[f"after-load-fault-{i}"]] == [
             max_loadable_tokens(p + 2 * CHUNK + 5, CHUNK), max_loadable_tokens(p, CHUNK)]
-    assert rows[-1]["failures"][1] == {"checksum": 1}  # dropped at once: never failed again
+    assert by_tag["after-store-fault-2"][0]["failures"][1] == {"checksum": 1}  # dropped at once: never failed again
     # the store failure: the next request finds the prefix before the failed chunks, stores them
     # again, and from then on the whole prompt hits
     assert by_tag["after-store-fault-2"][0]["cached"] == max_loadable_tokens(q + 2 * CHUNK + 5, CHUNK)
+    # the claimed load that failed on one rank: recomputed (right output), counted on that rank,
+    # and full hits afterwards (nothing computed over the blocks it never wrote was stored)
+    assert by_tag["claimed-load-fault"][0]["failures"] == [{}, {"checksum": 1, "error": 1}]
+    for i in range(2):
+        assert [r["cached"] for r in by_tag[f"after-claimed-load-fault-{i}"]] == [
+            max_loadable_tokens(q + 2 * CHUNK + 5, CHUNK), max_loadable_tokens(q, CHUNK)]
 
 
 @pytest.mark.slow

@@ -97,9 +97,27 @@ def fail_rank1_next_store(worker) -> bool:
     return True
 
 
+def fail_rank1_next_load(worker) -> bool:
+    """In a worker process: rank 1's next load raises after its hit was claimed (a copy error), once."""
+    ws = _connector_worker()
+    if ws.rank != 1:
+        return False
+    engine = ws.engine
+    orig = engine.load
+
+    def load_once_failing(*a, **k):
+        engine.load = orig
+        raise RuntimeError("injected load failure on rank 1")
+
+    engine.load = load_once_failing
+    return True
+
+
 def run_faults(llm, prompts, want, chunk: int) -> list[dict]:
-    """One rank failing its load, then one rank failing its store; after each, the prompt
-    and its extension again and again, every block of every rank poisoned first."""
+    """One rank failing its load's verification, then one rank failing its store, then one
+    rank failing a claimed load (the engine runs vLLM's ``recompute`` policy: the request is
+    recomputed); after each, the prompt and its extension again and again, every block of every
+    rank poisoned first."""
     from harness import generate
 
     from vllm_kvplugin.chunk.keys import chunk_keys
@@ -126,6 +144,11 @@ def run_faults(llm, prompts, want, chunk: int) -> list[dict]:
     run("store-fault", q2, want[3], 2)  # stores chunks past q: rank 1 fails them, rank 0 does not
     for i in range(3):
         run(f"after-store-fault-{i}", q2, want[3], 30 + i)
+    assert sum(llm.collective_rpc(fail_rank1_next_load)) == 1
+    run("claimed-load-fault", q2, want[3], 3)  # rank 0 loads, rank 1 fails: vLLM recomputes
+    for i in range(2):
+        run(f"after-claimed-load-fault-{i}", q2, want[3], 40 + i)
+        run(f"after-claimed-load-fault-{i}", q, want[2], 50 + i)
     return rows
 
 
@@ -157,6 +180,8 @@ def main() -> None:
         shutdown(base)
 
     cfg = {"chunk_size": args.chunk, "cpu_bytes": 0 if args.server else 256 << 20}
+    if args.faults:  # a claimed load that fails is recomputed (vLLM's synchronous scheduling here)
+        cfg["load_failure_policy"] = "recompute"
     if args.server:
         cfg["server"] = args.server
     llm = engine(args.model, args.block, cfg, **tp)
