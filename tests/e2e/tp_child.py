@@ -81,35 +81,20 @@ def corrupt_rank1_chunk(worker, key: bytes) -> bool:
     return True
 
 
-def fail_rank1_next_store(worker) -> bool:
-    """In a worker process: rank 1's next store raises (a copy error), once."""
+def fail_rank1_next(worker, op: str) -> bool:
+    """In a worker process: rank 1's transfer engine's next ``op`` ("store", or "load" of a
+    claimed hit) raises (a copy error), once."""
     ws = _connector_worker()
     if ws.rank != 1:
         return False
     engine = ws.engine
-    orig = engine.store
+    orig = getattr(engine, op)
 
-    def store_once_failing(*a, **k):
-        engine.store = orig
-        raise RuntimeError("injected store failure on rank 1")
+    def once_failing(*a, **k):
+        setattr(engine, op, orig)
+        raise RuntimeError(f"injected {op} failure on rank 1")
 
-    engine.store = store_once_failing
-    return True
-
-
-def fail_rank1_next_load(worker) -> bool:
-    """In a worker process: rank 1's next load raises after its hit was claimed (a copy error), once."""
-    ws = _connector_worker()
-    if ws.rank != 1:
-        return False
-    engine = ws.engine
-    orig = engine.load
-
-    def load_once_failing(*a, **k):
-        engine.load = orig
-        raise RuntimeError("injected load failure on rank 1")
-
-    engine.load = load_once_failing
+    setattr(engine, op, once_failing)
     return True
 
 
@@ -140,11 +125,11 @@ def run_faults(llm, prompts, want, chunk: int) -> list[dict]:
         run(f"after-load-fault-{i}", p2, want[1], 10 + i)
         run(f"after-load-fault-{i}", p, want[0], 20 + i)
     generate(llm, [q])
-    assert sum(llm.collective_rpc(fail_rank1_next_store)) == 1
+    assert sum(llm.collective_rpc(fail_rank1_next, args=("store",))) == 1
     run("store-fault", q2, want[3], 2)  # stores chunks past q: rank 1 fails them, rank 0 does not
     for i in range(3):
         run(f"after-store-fault-{i}", q2, want[3], 30 + i)
-    assert sum(llm.collective_rpc(fail_rank1_next_load)) == 1
+    assert sum(llm.collective_rpc(fail_rank1_next, args=("load",))) == 1
     run("claimed-load-fault", q2, want[3], 3)  # rank 0 loads, rank 1 fails: vLLM recomputes
     for i in range(2):
         run(f"after-claimed-load-fault-{i}", q2, want[3], 40 + i)

@@ -160,7 +160,7 @@ class CudaTransfer(StorePath):
             self._d2h = torch.cuda.Stream(device)  # staging -> host DMAs
             self._h2d = torch.cuda.Stream(device)  # host -> staging DMAs
             self._dig = torch.cuda.Stream(device)  # payload digests (and their copy to the host)
-            self._joins: torch.cuda.Stream | None = None  # events joining others (_join)
+            self._joins = torch.cuda.Stream(device)  # events joining others (_join)
         self._pool: list[Staging] = []
         self._uses = 0
         self._pending_gathers: list[torch.cuda.Event] = []
@@ -365,8 +365,6 @@ class CudaTransfer(StorePath):
     def _join(self, *events: torch.cuda.Event) -> torch.cuda.Event:
         """An event that completes once all of ``events`` have (recorded on a stream of its own,
         so that no stream doing work waits for another's)."""
-        if self._joins is None:
-            self._joins = torch.cuda.Stream(self.device)
         for ev in events:
             self._joins.wait_event(ev)
         return self._event(self._joins)
