@@ -13,8 +13,8 @@ prompts in the same order:
 * ``kvplugin-noverify`` - the same with ``verify_checksums: false`` (what the checksums cost);
 * ``kvplugin-early`` - the same, a lone hit claimed before the device's verdict
   (``scheduler_lone.CLAIM_BEFORE_VERDICT``, with the ``recompute`` policy it needs, which needs
-  vLLM's synchronous scheduling), and ``kvplugin-sync``, ``kvplugin`` with synchronous
-  scheduling, to compare it with (neither in the default set);
+  vLLM's synchronous scheduling and V1 model runner: vLLM issues #45138, #49250), and
+  ``kvplugin-sync``, ``kvplugin`` with both, to compare it with (neither in the default set);
 * ``kvplugin-hash8`` - ``kvplugin`` hashing on at most 8 host threads (not in the default set:
   whether fewer hashing threads leave vLLM's host work of the claim step faster);
 * ``kvplugin-wN`` - ``kvplugin`` with N paced store DMAs on the copy engine at once (not in the
@@ -202,6 +202,8 @@ def mode_knobs(mode: str) -> None:
     if mode.startswith("kvplugin-early"):  # a lone hit claimed before its verdict (scheduler_lone.py)
         from vllm_kvplugin.connector import scheduler_lone
         scheduler_lone.CLAIM_BEFORE_VERDICT = True
+    if mode.startswith(("kvplugin-early", "kvplugin-sync")):  # what vLLM's recompute needs (bad_blocks.py)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if mode == "kvplugin-linkwake":
         _wake_link_at_lookup()
     if mode == "kvplugin-unsplit":  # a lone hit's keys all computed before its first read

@@ -95,7 +95,10 @@ FIELDS: tuple[FieldDoc, ...] = (
              "(`async_scheduling=False`; asynchronous scheduling is vLLM's default on GPUs): under "
              "asynchronous scheduling vLLM keeps a recomputed request's output placeholders (vLLM "
              "issue #45138) and the request may never finish, so that combination is a start-up "
-             "error). vLLM's `kv_load_failure_policy`."),
+             "error; and vLLM's V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`; V2 is vLLM's default "
+             "on GPUs): the V2 runner recomputes such a request from stale positions and gives "
+             "wrong output (vLLM issue #49250), so that is a start-up error too). vLLM's "
+             "`kv_load_failure_policy`."),
 )
 _BY_KEY = {f.key: f for f in FIELDS}
 

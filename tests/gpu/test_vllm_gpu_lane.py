@@ -195,20 +195,40 @@ def test_a_corrupt_object_is_refused_on_the_device_and_poisons_nothing(model, tm
             srv.stop()
 
 
-def test_a_failed_claimed_load_is_recomputed_on_gpu(model):
-    """``test_fail_closed``'s failed claimed load under the ``recompute`` policy on the GPU
-    (vLLM's synchronous scheduling, which that policy needs: ``BadBlocks.for_policy``): both
-    requests right, nothing computed over the blocks the load never wrote stored."""
+def _v1_model_runner(monkeypatch) -> None:
+    """vLLM's V1 model runner for the engines made after this (the ``recompute`` policy needs it:
+    ``BadBlocks.for_policy``, vLLM issue #49250)."""
+    import vllm.envs as envs
+
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
+
+
+def test_recompute_with_the_v2_model_runner_is_refused_at_start_up(model):
+    """vLLM's default model runner on this GPU (V2) recomputes a request whose load failed from
+    stale positions (vLLM issue #49250: wrong outputs, measured here on an H100 with 0.26); the
+    ``recompute`` policy with it is a start-up error that says so."""
+    with pytest.raises(Exception, match="V1 model runner.*#49250"):
+        engine(model, BLOCK, {"chunk_size": CHUNK, "load_failure_policy": "recompute"}, async_scheduling=False,
+               max_model_len=12_000, kv_bytes=1 << 30)
+
+
+def test_a_failed_claimed_load_is_recomputed_on_gpu(model, monkeypatch):
+    """``test_fail_closed``'s failed claimed load under the ``recompute`` policy on the GPU, in the
+    form whose second request runs alone (the first aborted after its load failed: bf16 sums
+    depend on the batch), with the synchronous scheduling and V1 model runner that policy needs
+    (``BadBlocks.for_policy``): the second request is right, and nothing computed over the
+    blocks the load never wrote was stored."""
     from test_fail_closed import failed_claimed_load_scenario
 
-    failed_claimed_load_scenario(model, "recompute", CHUNK, BLOCK, async_scheduling=False,
+    _v1_model_runner(monkeypatch)
+    failed_claimed_load_scenario(model, "recompute", CHUNK, BLOCK, abort_first=True, async_scheduling=False,
                                  max_model_len=12_000, kv_bytes=1 << 30)
     print(f"GPU LANE failed claimed load, recompute: stats {vllm_kvplugin.stats()}")
 
 
 def test_a_hit_claimed_before_its_verdict_and_refuted_on_the_device_is_recomputed(model, monkeypatch):
     """``scheduler_lone.CLAIM_BEFORE_VERDICT`` with the ``recompute`` policy (and the synchronous
-    scheduling it needs): a lone hit is claimed while its copy and digests run, and one byte
+    scheduling and V1 model runner it needs): a lone hit is claimed while its copy and digests run, and one byte
     of chunk 5's object is wrong.  The digests, awaited at the end of the step that loaded it,
     refute it: vLLM drops that step's output and recomputes from chunk 5.  The output is right
     on poisoned KV, the object dropped once, and the next runs hit in full, claimed early."""
@@ -219,6 +239,7 @@ def test_a_hit_claimed_before_its_verdict_and_refuted_on_the_device_is_recompute
 
     monkeypatch.setattr(scheduler_lone, "CLAIM_BEFORE_VERDICT", True)
     monkeypatch.setattr(test_integrity, "CHUNK", CHUNK)
+    _v1_model_runner(monkeypatch)
     p = prompt(8 * CHUNK + 10, seed=61)
     # one chunk of a prefill per step, in both engines: the recompute from chunk 5 then runs the
     # reference's own kernels over the same KV (a GPU's bf16 sums depend on their shapes)

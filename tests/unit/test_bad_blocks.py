@@ -95,3 +95,11 @@ def test_recompute_under_asynchronous_scheduling_is_a_startup_error():
 
     with pytest.raises(ConfigError, match="load_failure_policy 'recompute' needs vLLM's synchronous scheduling"):
         BadBlocks.for_policy("recompute", _groups(1), async_scheduling=True)
+
+
+def test_recompute_with_vllms_v2_model_runner_is_a_startup_error():
+    from vllm_kvplugin.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs vLLM's V1 model runner"):
+        BadBlocks.for_policy("recompute", _groups(1), async_scheduling=False, v2_model_runner=True)
+    assert BadBlocks.for_policy("fail", _groups(1), async_scheduling=False, v2_model_runner=True) is None

@@ -248,6 +248,13 @@ def async_scheduling(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
 
 
+def v2_model_runner(vllm_config: Any) -> bool:
+    """Whether vLLM's workers run its V2 model runner (``VllmConfig.use_v2_model_runner``: on GPUs
+    the default for most models; the CPU platform, without Triton, runs V1).  False where the
+    version has no such choice."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
 def check_pipeline_split(vllm_config: Any) -> None:
     """Pipeline parallelism only with every stage holding the same number of layers (the only
     split tested); anything else is a start-up error naming the split."""

@@ -50,13 +50,18 @@ class BadBlocks:
         self.blocks: set[int] = set()
 
     @classmethod
-    def for_policy(cls, policy: str, groups: Sequence[Any], async_scheduling: bool) -> BadBlocks | None:
+    def for_policy(cls, policy: str, groups: Sequence[Any], async_scheduling: bool,
+                   v2_model_runner: bool = False) -> BadBlocks | None:
         """The scheduler half's record under vLLM's ``policy`` for a model of ``groups`` (KV cache
         group specs), or None where there is nothing to report: ``fail`` (vLLM drops the blocks),
         or several groups (vLLM 0.26-0.29 take no block ids of several; a warning says that
-        ``recompute`` then leaves them readable).  ``recompute`` under vLLM's asynchronous
-        scheduling is a start-up error: vLLM keeps a recomputed request's output placeholders
-        there (vLLM issue #45138; read in 0.26 and 0.32), and the request may never finish."""
+        ``recompute`` then leaves them readable).  ``recompute`` is a start-up error where vLLM's
+        own recompute is wrong: under its asynchronous scheduling it keeps a recomputed request's
+        output placeholders (vLLM issue #45138; read in 0.26 and 0.32), and the request may never
+        finish; its V2 model runner (``v2_model_runner``) lowers only the host's copy of a
+        recomputed request's computed tokens, so the recompute reads its tokens and positions
+        from the wrong offset (vLLM issue #49250; wrong outputs measured on an H100 with 0.26,
+        the same code read in 0.32)."""
         if policy != "recompute":
             return None
         if async_scheduling:
@@ -65,6 +70,12 @@ class BadBlocks:
                 "(async_scheduling=False, --no-async-scheduling): under asynchronous scheduling vLLM "
                 "keeps a recomputed request's output placeholders (vLLM issue #45138), and the "
                 "request may never finish. Use 'fail' (the default) or turn asynchronous scheduling off.")
+        if v2_model_runner:
+            raise ConfigError(
+                "vllm-kvplugin: load_failure_policy 'recompute' needs vLLM's V1 model runner "
+                "(VLLM_USE_V2_MODEL_RUNNER=0): the V2 model runner recomputes a request whose load "
+                "failed from stale token positions and gives wrong output (vLLM issue #49250). "
+                "Use 'fail' (the default) or the V1 model runner.")
         if len(groups) != 1:
             logger.warning("vllm-kvplugin: load_failure_policy 'recompute' with %d KV cache groups: should a "
                            "copy fail after its hit was claimed, vLLM keeps the blocks it never wrote in its "

@@ -138,7 +138,8 @@ class SchedulerSide(StoreDecisions, LoneFetch):
         self._holding = False  # this step's scheduling held a request back for this connector
         self._fetches = 0  # fetches issued (their serials)
         #: blocks reported to vLLM until recomputed (``recompute`` policy, one KV cache group)
-        self._bad = BadBlocks.for_policy(cfg.load_failure_policy, self.groups, _common.async_scheduling(vllm_config))
+        self._bad = BadBlocks.for_policy(cfg.load_failure_policy, self.groups, _common.async_scheduling(vllm_config),
+                                         _common.v2_model_runner(vllm_config))
         self._loaded_now: set[int] = set()  # blocks loaded at allocation since the last metadata
         self._grace_left = LOOKUP_GRACE_S  # of this step's wait for server lookups
         self._verdicts = open_box(_common.engine_id(vllm_config))  # a one-process engine's verdicts
