@@ -228,8 +228,8 @@ def test_a_failed_claimed_load_is_recomputed_on_gpu(model, monkeypatch):
 
 def test_a_hit_claimed_before_its_verdict_and_refuted_on_the_device_is_recomputed(model, monkeypatch):
     """``scheduler_lone.CLAIM_BEFORE_VERDICT`` with the ``recompute`` policy (and the synchronous
-    scheduling and V1 model runner it needs): a lone hit is claimed while its copy and digests run, and one byte
-    of chunk 5's object is wrong.  The digests, awaited at the end of the step that loaded it,
+    scheduling and V1 model runner it needs): a lone hit is claimed while its copy and digests
+    run, and one byte of chunk 5's object is wrong.  The digests, awaited at the end of the step that loaded it,
     refute it: vLLM drops that step's output and recomputes from chunk 5.  The output is right
     on poisoned KV, the object dropped once, and the next runs hit in full, claimed early."""
     import test_integrity
