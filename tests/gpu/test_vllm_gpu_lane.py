@@ -212,6 +212,17 @@ def test_recompute_with_the_v2_model_runner_is_refused_at_start_up(model):
                max_model_len=12_000, kv_bytes=1 << 30)
 
 
+def test_a_failed_claimed_load_fails_its_request_on_gpu(model):
+    """``test_fail_closed``'s failed claimed load under the default policy (``fail``) and vLLM's
+    defaults on this GPU (asynchronous scheduling, the V2 model runner): the request whose copy
+    failed ends with an error, the next one, sharing its prefix, is right, and nothing computed
+    over the blocks the load never wrote was stored."""
+    from test_fail_closed import failed_claimed_load_scenario
+
+    failed_claimed_load_scenario(model, "fail", CHUNK, BLOCK, max_model_len=12_000, kv_bytes=1 << 30)
+    print(f"GPU LANE failed claimed load, fail: stats {vllm_kvplugin.stats()}")
+
+
 def test_a_failed_claimed_load_is_recomputed_on_gpu(model, monkeypatch):
     """``test_fail_closed``'s failed claimed load under the ``recompute`` policy on the GPU, in the
     form whose second request runs alone (the first aborted after its load failed: bf16 sums
