@@ -207,9 +207,14 @@ def test_recompute_with_the_v2_model_runner_is_refused_at_start_up(model):
     """vLLM's default model runner on this GPU (V2) recomputes a request whose load failed from
     stale positions (vLLM issue #49250: wrong outputs, measured here on an H100 with 0.26); the
     ``recompute`` policy with it is a start-up error that says so."""
-    with pytest.raises(Exception, match="V1 model runner.*#49250"):
-        engine(model, BLOCK, {"chunk_size": CHUNK, "load_failure_policy": "recompute"}, async_scheduling=False,
-               max_model_len=12_000, kv_bytes=1 << 30)
+    from harness import reset_vllm_globals
+
+    try:
+        with pytest.raises(Exception, match="V1 model runner.*#49250"):
+            engine(model, BLOCK, {"chunk_size": CHUNK, "load_failure_policy": "recompute"}, async_scheduling=False,
+                   max_model_len=12_000, kv_bytes=1 << 30)
+    finally:
+        reset_vllm_globals()  # (what the engine that did not start left behind)
 
 
 def test_a_failed_claimed_load_fails_its_request_on_gpu(model):
