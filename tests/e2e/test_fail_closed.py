@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import Probe, engine, generate, prompt, shutdown
+from harness import Probe, engine, generate, prompt, reset_vllm_globals, shutdown
 
 import vllm_kvplugin
 from vllm_kvplugin import counters
@@ -193,6 +193,22 @@ def test_a_failed_claimed_load_is_served_to_no_other_request(qwen3_model, policy
     reads them alone (the GPU lane's form: its bf16 sums depend on the batch, so the outputs of
     two requests computed side by side need not match the reference's, computed alone)."""
     failed_claimed_load_scenario(qwen3_model, policy, CHUNK, 32, abort_first=abort_first)
+
+
+def test_recompute_where_vllms_own_recompute_is_wrong_stops_the_engine(qwen3_model, monkeypatch):
+    """``recompute`` with vLLM's V2 model runner (vLLM issue #49250) is a start-up error naming
+    the way out.  This machine's vLLM has no V2 runner (no Triton): the adapter's answer is
+    mocked; the GPU lane starts a real V2 engine."""
+    from vllm_kvplugin.adapters import _common
+
+    monkeypatch.setattr(_common, "v2_model_runner", lambda cfg: True)
+    try:
+        with pytest.raises(Exception, match=r"V1 model runner \(VLLM_USE_V2_MODEL_RUNNER=0\)"):
+            engine(qwen3_model, 32, {"chunk_size": CHUNK, "load_failure_policy": "recompute"})
+    finally:
+        reset_vllm_globals()
+    llm = engine(qwen3_model, 32, {"chunk_size": CHUNK, "load_failure_policy": "fail"})  # the default starts
+    shutdown(llm)
 
 
 def failed_claimed_load_scenario(model: str, policy: str, chunk: int, block: int, abort_first: bool = False,
