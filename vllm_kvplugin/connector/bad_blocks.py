@@ -31,6 +31,12 @@ from vllm_kvplugin.config import ConfigError
 logger = logging.getLogger(__name__)
 
 
+def tracked(policy: str, groups: Sequence[Any]) -> bool:
+    """Whether bad blocks are kept and reported for a model of ``groups`` under vLLM's ``policy``
+    (the scheduler half's :class:`BadBlocks`, a worker's own failed blocks until it does)."""
+    return policy == "recompute" and len(groups) == 1
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What one step's metadata carries: ``invalid`` goes into the step's output as vLLM's
@@ -76,7 +82,7 @@ class BadBlocks:
                 "(VLLM_USE_V2_MODEL_RUNNER=0): the V2 model runner recomputes a request whose load "
                 "failed from stale token positions and gives wrong output (vLLM issue #49250). "
                 "Use 'fail' (the default) or the V1 model runner.")
-        if len(groups) != 1:
+        if not tracked(policy, groups):
             logger.warning("vllm-kvplugin: load_failure_policy 'recompute' with %d KV cache groups: should a "
                            "copy fail after its hit was claimed, vLLM keeps the blocks it never wrote in its "
                            "prefix cache until the request has recomputed them, and a request sharing the "

@@ -71,11 +71,10 @@ LOOKUP_HERE_PROMOTION_WAIT_S = 0.02
 #: whether a lone request's hit is claimed before its verdict, where a refuted load is safe:
 #: vLLM's ``recompute`` policy (which needs its synchronous scheduling and V1 model runner) with
 #: one KV cache group, whose bad blocks the connector reports until recomputed
-#: (``connector/bad_blocks.py``).  vLLM
-#: then allocates the blocks and prepares the step while the copy runs, the scatter waits on the
-#: device for each piece, and the step's end waits for the digests (``FetchPath.fetch_now``'s
-#: ``early``): objects they refute are a failed load of that step, whose outputs vLLM drops and
-#: recomputes.  Off: measured faster on an H100 (``benchmarks/NOTES.md``, twenty-eighth session),
+#: (``connector/bad_blocks.py``).  vLLM then allocates the blocks and prepares the step while the
+#: copy runs, the scatter waits on the device for each piece, and the step's end waits for the
+#: digests (``FetchPath.fetch_now``'s ``early``): objects they refute are a failed load of that
+#: step, whose outputs vLLM drops and recomputes.  Off: measured faster on an H100 (``benchmarks/NOTES.md``, twenty-eighth session),
 #: but its refutation has not yet run right on a GPU (there only with the V2 runner, whose
 #: recompute is wrong: vLLM issue #49250).
 CLAIM_BEFORE_VERDICT = False

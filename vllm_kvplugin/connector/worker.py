@@ -42,7 +42,7 @@ from vllm_kvplugin.chunk.format import (
     dtype_name,
 )
 from vllm_kvplugin.config import KVPluginConfig
-from vllm_kvplugin.connector import finisher
+from vllm_kvplugin.connector import bad_blocks, finisher
 from vllm_kvplugin.connector.finisher import StoreFinisher
 from vllm_kvplugin.connector.metadata import (
     KVPluginMetadata,
@@ -117,6 +117,7 @@ class WorkerSide(FetchPath, StorePath):
         #: worker's own failed ones until metadata built after the scheduler learned of them
         self._reported: frozenset[int] = frozenset()
         self._unacked: set[int] = set()
+        self._tracks_bad = bad_blocks.tracked(cfg.load_failure_policy, self.groups)
         self._attached = False  # fetch_now is in the scheduler half's box
 
     # ------------------------------------------------------------- registration
@@ -362,7 +363,7 @@ class WorkerSide(FetchPath, StorePath):
         blocks = {b for j in jobs for b in j.block_ids if b}
         self._invalid_blocks |= blocks
         self._meta.failed_blocks |= blocks
-        if self.cfg.load_failure_policy == "recompute" and len(self.groups) == 1:
+        if self._tracks_bad:
             self._unacked |= blocks
         first = min(j.position for j in jobs)
         self._meta.load_failed[req_id] = min(first, self._meta.load_failed.get(req_id, first))
